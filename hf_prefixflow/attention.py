@@ -1,0 +1,172 @@
+"""The PrefixFlow attention function, registered through transformers' `AttentionInterface`, wrapping the model's own.
+
+`apply_prefixflow` switches a model from attention `X` to `prefixflow_X`. The function behaves exactly like `X`
+unless a forward carries a pass marker in its kwargs (transformers hands model kwargs to attention unfiltered, and
+checkpointing binds them, so a recompute sees the same marker):
+- `PrefixPass` (Phase A): plain causal attention through `X`, plus an idempotent capture of the post-RoPE K/V.
+- `SuffixPass` (Phase B): suffix queries attend to `[cached prefix K/V ; suffix K/V]` under the wave's visibility
+  mask, expressed in the form `X` takes (bottom-right causal bias, boolean or additive mask, or a flex BlockMask).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .errors import PrefixFlowError
+from .kv_cache import TrainingKVCache
+from .layouts import PREFIX, Wave
+
+NAME_PREFIX = "prefixflow_"
+SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
+PASS_KWARG = "prefixflow_pass"
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixPass:
+    """Phase A marker: capture each layer's K/V into `cache`."""
+
+    cache: TrainingKVCache
+
+
+@dataclass(frozen=True, eq=False)
+class SuffixPass:
+    """Phase B marker: attend over the cached prefix plus this wave."""
+
+    cache: TrainingKVCache
+    wave: Wave
+
+
+def wrapped_name(base: str) -> str:
+    return NAME_PREFIX + base
+
+
+def base_name(name: str) -> str:
+    return name.removeprefix(NAME_PREFIX)
+
+
+def is_wrapped(name: str | None) -> bool:
+    return bool(name) and name.startswith(NAME_PREFIX)
+
+
+@lru_cache(maxsize=None)
+def _eager_function(module_type: type) -> Callable:
+    # "eager" is each model file's own function (Gemma2's adds softcapping, gpt-oss's adds sinks).
+    return getattr(sys.modules[module_type.__module__], "eager_attention_forward")
+
+
+def _base_function(module: torch.nn.Module, base: str) -> Callable:
+    return _eager_function(type(module)) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _check_call(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    if dropout:
+        raise PrefixFlowError(
+            f"attention dropout ({dropout}) draws a new mask every forward, so no prefix pass can stand for N "
+            "full sequences. Set config.attention_dropout = 0.0 (or train with dropout off) to use PrefixFlow."
+        )
+    if kwargs.get("output_attentions"):
+        raise PrefixFlowError("output_attentions is not available inside a prefix group; call the model outside it.")
+
+
+def _wave_mask(wave: Wave, base: str, window: int | None, query: torch.Tensor, kv_length: int):
+    """The wave's visibility in the form the wrapped implementation consumes."""
+    if base == "sdpa" and wave.is_plain_causal and (window is None or window >= kv_length):
+        return causal_lower_right(query.shape[2], kv_length)
+    if base == "flex_attention":
+        return _block_mask(wave, window, query, kv_length)
+    visible = wave.visible(window)
+    if base == "eager":
+        additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        return additive.masked_fill_(~visible, torch.finfo(query.dtype).min)
+    return visible
+
+
+def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key_seg, key_pos = wave.key_geometry()
+    q_seg, q_pos, cached = wave.segment_ids, wave.position_ids, wave.cached_length
+
+    def mask_mod(b, h, q, kv):
+        own = (key_seg[b, kv] == q_seg[b, q]) & (key_seg[b, kv] >= 0) & (key_pos[b, kv] <= q_pos[b, q])
+        allowed = (key_seg[b, kv] == PREFIX) | own
+        if window is not None:
+            allowed = allowed & (q_pos[b, q] - key_pos[b, kv] < window)
+        return allowed | (kv - cached == q)
+
+    return create_block_mask(mask_mod, query.shape[0], None, query.shape[2], kv_length, device=query.device)
+
+
+def _prefix_leaves(cache: TrainingKVCache, module, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    leaves = cache.leaves(module.layer_idx)
+    if leaves is None:
+        if cache.prefix_length:
+            raise PrefixFlowError(f"layer {module.layer_idx} has no cached prefix K/V; was Phase A skipped?")
+        return None
+    leaf_key = leaves[0]
+    if leaf_key.dtype != key.dtype or leaf_key.device != key.device:
+        raise PrefixFlowError(
+            f"the prefix K/V of layer {module.layer_idx} are {leaf_key.dtype} on {leaf_key.device} but this wave "
+            f"computes {key.dtype} on {key.device}: enter the group and run its waves under the same autocast, "
+            "dtype and device."
+        )
+    return leaves
+
+
+def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, base_fn, dropout, scaling, kwargs):
+    leaves = _prefix_leaves(marker.cache, module, key)
+    if leaves is not None:
+        batch = query.shape[0]
+        key = torch.cat([leaves[0].expand(batch, -1, -1, -1), key], dim=2)
+        value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    mask = _wave_mask(marker.wave, base, window, query, key.shape[2])
+    return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def prefixflow_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one."""
+    base = base_name(module.config._attn_implementation)
+    base_fn = _base_function(module, base)
+    marker = kwargs.pop(PASS_KWARG, None)
+    if marker is None:
+        return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    _check_call(module, dropout, kwargs)
+    if isinstance(marker, PrefixPass):
+        marker.cache.capture(module.layer_idx, key, value)
+        return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return _suffix_attention(module, query, key, value, marker, base, base_fn, dropout, scaling, kwargs)
+
+
+def _mask_for(base: str) -> Callable:
+    def mask_function(*args, **kwargs):
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
+
+    return mask_function
+
+
+def register() -> None:
+    """Register `prefixflow_<base>` for every supported base, with the base's own mask builder."""
+    for base in SUPPORTED_BASES:
+        AttentionInterface.register(wrapped_name(base), prefixflow_attention)
+        AttentionMaskInterface.register(wrapped_name(base), _mask_for(base))
+
+
+register()

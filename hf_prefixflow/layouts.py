@@ -1,0 +1,121 @@
+"""Suffix layouts: how a wave of suffixes is laid out (padded rows or one packed row) and which keys each query sees.
+
+A wave's model input for suffix `s` is `[p_last, s_0, ..., s_{L-2}]` at positions `P-1 ... P+L-2`, where
+`p_last` is the prefix's last token and the other `P' = P - 1` prefix tokens sit in the cache. Output position `t` then predicts `s_t`,
+exactly like position `P-1+t` of the full sequence `[P || s]`. Every layout reduces to two per-token arrays,
+`segment_ids` (-1 marks padding) and absolute `position_ids`, from which one predicate decides visibility:
+a query sees every cached prefix key and, causally, the real keys of its own segment, all within the layer's
+sliding window if it has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import PrefixFlowError
+
+PADDING = -1
+PREFIX = -2
+
+
+@dataclass(eq=False)
+class Wave:
+    """One Phase-B microbatch: model inputs plus the geometry its attention masks are derived from."""
+
+    input_ids: torch.Tensor  # [B, S]
+    position_ids: torch.Tensor  # [B, S], absolute positions in [P || s]
+    segment_ids: torch.Tensor  # [B, S], suffix index within the row, PADDING for pad tokens
+    cached_length: int  # P' = prefix tokens held in the cache
+    packed: bool
+    segment_lengths: list[int] = field(default_factory=list)  # packed layout: tokens per suffix
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Right-padded rows with one suffix each: bottom-right causality alone gives every real query its keys."""
+        return not self.packed
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """Bool `[B, 1, S, P'+S]`: which keys each query attends to (cached per window, shared by layers)."""
+        if window not in self._masks:
+            self._masks[window] = self._build(window)
+        return self._masks[window]
+
+    def key_geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ids and positions of the keys `[cached prefix ; wave]`, prefix keys marked PREFIX."""
+        batch, device = self.input_ids.shape[0], self.input_ids.device
+        prefix_pos = torch.arange(self.cached_length, device=device).expand(batch, -1)
+        prefix_seg = torch.full_like(prefix_pos, PREFIX)
+        return (torch.cat([prefix_seg, self.segment_ids], dim=1), torch.cat([prefix_pos, self.position_ids], dim=1))
+
+    def _build(self, window: int | None) -> torch.Tensor:
+        key_seg, key_pos = self.key_geometry()
+        q_seg, q_pos = self.segment_ids[:, :, None], self.position_ids[:, :, None]
+        k_seg, k_pos = key_seg[:, None, :], key_pos[:, None, :]
+        own = (k_seg == q_seg) & (k_seg != PADDING) & (k_pos <= q_pos)
+        allowed = (k_seg == PREFIX) | own
+        if window is not None:
+            allowed &= q_pos - k_pos < window
+        # A padding query sees at least itself, so no softmax row is empty (its output is never used).
+        size = self.input_ids.shape[1]
+        allowed[:, :, self.cached_length :] |= torch.eye(size, dtype=torch.bool, device=allowed.device)
+        return allowed[:, None]
+
+
+def _check_ids(name: str, ids: torch.Tensor) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise PrefixFlowError(f"{name} must be an integer tensor of token ids, got {getattr(ids, 'dtype', type(ids))}.")
+
+
+def padded_wave(last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int) -> Wave:
+    """Right-padded rows `[B, S]` (mask 1 = real token): one suffix per row."""
+    _check_ids("suffix_ids", suffix_ids)
+    if suffix_ids.dim() != 2 or suffix_ids.shape[1] == 0:
+        raise PrefixFlowError(f"suffix_ids must be [B, S] with S >= 1, got shape {tuple(suffix_ids.shape)}.")
+    batch, length = suffix_ids.shape
+    device = suffix_ids.device
+    if attention_mask is None:
+        real = torch.ones(batch, length, dtype=torch.bool, device=device)
+    else:
+        if attention_mask.shape != suffix_ids.shape:
+            raise PrefixFlowError(
+                f"attention_mask shape {tuple(attention_mask.shape)} must match suffix_ids {tuple(suffix_ids.shape)}."
+            )
+        real = attention_mask.to(device=device, dtype=torch.bool)
+        if (real[:, 1:] & ~real[:, :-1]).any():
+            raise PrefixFlowError(
+                "suffix rows must be right-padded (mask 1...1 0...0); left or inner padding is not a suffix layout. "
+                "Use group.packed(...) for suffixes of different lengths without padding."
+            )
+    # Input t carries token t-1; input 0 is the prefix's last token, always real.
+    inputs = torch.cat([last_prefix_token.expand(batch, 1), suffix_ids[:, :-1]], dim=1)
+    input_real = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], dim=1)
+    positions = cached_length + torch.arange(length, device=device).expand(batch, -1)
+    segments = torch.where(input_real, 0, PADDING)
+    return Wave(inputs, positions, segments, cached_length, packed=False)
+
+
+def packed_wave(last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], cached_length: int) -> Wave:
+    """Many suffixes in one row `[1, sum(L_i)]`; each sees the whole prefix and causally only itself."""
+    if not suffixes:
+        raise PrefixFlowError("packed() needs at least one suffix.")
+    inputs, positions, segments, lengths = [], [], [], []
+    for index, suffix in enumerate(suffixes):
+        _check_ids(f"suffixes[{index}]", suffix)
+        suffix = suffix.reshape(-1)
+        if suffix.numel() == 0:
+            raise PrefixFlowError(f"suffixes[{index}] is empty; drop empty suffixes before packing.")
+        lengths.append(suffix.numel())
+        inputs.append(torch.cat([last_prefix_token.reshape(1), suffix[:-1]]))
+        positions.append(cached_length + torch.arange(suffix.numel(), device=suffix.device))
+        segments.append(torch.full_like(suffix, index))
+    return Wave(
+        torch.cat(inputs)[None],
+        torch.cat(positions)[None],
+        torch.cat(segments)[None],
+        cached_length,
+        packed=True,
+        segment_lengths=lengths,
+    )

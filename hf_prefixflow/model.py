@@ -1,0 +1,75 @@
+"""`apply_prefixflow`: switch any HF decoder (or PEFT wrapper) to the PrefixFlow attention and check it can be exact."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import PreTrainedModel
+
+from . import attention
+from .errors import PrefixFlowError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model inside a PEFT (or similar) wrapper."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner, PreTrainedModel):
+        raise PrefixFlowError(f"apply_prefixflow needs a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}.")
+    return inner
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embeddings + layers, no LM head) that Phase A runs over the prefix."""
+    inner = unwrap(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    return decoder if decoder is not None else inner.base_model
+
+
+def _check_rope(model: PreTrainedModel) -> None:
+    for name, module in model.named_modules():
+        rope_type = getattr(module, "rope_type", None)
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type] if rope_type else []
+        for kind in types:
+            if kind not in STATIC_ROPE_TYPES:
+                raise PrefixFlowError(
+                    f"{name} uses rope_type={kind!r}, whose frequencies depend on the longest position in the batch, "
+                    "so a prefix rotated alone differs from the same prefix inside [P || S]. Use a static RoPE "
+                    f"({', '.join(STATIC_ROPE_TYPES)}), e.g. rope 'linear' or 'yarn' with the same factor."
+                )
+
+
+def check_checkpointing(model: torch.nn.Module) -> None:
+    """Refuse reentrant activation checkpointing: its Phase A K/V carry no graph, so Phase C could not run."""
+    for name, module in model.named_modules():
+        if not getattr(module, "gradient_checkpointing", False):
+            continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        keywords = func.keywords if isinstance(func, functools.partial) else {}
+        if keywords.get("use_reentrant", True) is not False:
+            raise PrefixFlowError(
+                f"{name or type(module).__name__} uses reentrant activation checkpointing, which detaches the prefix "
+                "K/V from the prefix graph. Enable it as "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
+            )
+
+
+def apply_prefixflow(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
+
+    Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
+    the implementation the model had (`sdpa`, `eager` or `flex_attention`).
+    """
+    inner = unwrap(model)
+    current = inner.config._attn_implementation
+    if not attention.is_wrapped(current):
+        if current not in attention.SUPPORTED_BASES:
+            raise PrefixFlowError(
+                f"attention implementation {current!r} is not supported; load the model with attn_implementation "
+                f"in {attention.SUPPORTED_BASES} ('sdpa' runs the flash and cuDNN kernels on GPU)."
+            )
+        _check_rope(inner)
+        inner.set_attn_implementation(attention.wrapped_name(current))
+    return model
