@@ -105,24 +105,24 @@ def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: 
     return create_block_mask(mask_mod, query.shape[0], None, query.shape[2], kv_length, device=query.device)
 
 
-def _prefix_leaves(cache: TrainingKVCache, module, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _prefix_leaves(cache: TrainingKVCache, module, key: torch.Tensor, value: torch.Tensor):
     leaves = cache.leaves(module.layer_idx)
     if leaves is None:
         if cache.prefix_length:
             raise PrefixFlowError(f"layer {module.layer_idx} has no cached prefix K/V; was Phase A skipped?")
         return None
-    leaf_key = leaves[0]
-    if leaf_key.dtype != key.dtype or leaf_key.device != key.device:
-        raise PrefixFlowError(
-            f"the prefix K/V of layer {module.layer_idx} are {leaf_key.dtype} on {leaf_key.device} but this wave "
-            f"computes {key.dtype} on {key.device}: enter the group and run its waves under the same autocast, "
-            "dtype and device."
-        )
+    for cached, current in zip(leaves, (key, value)):
+        if cached.dtype != current.dtype or cached.device != current.device:
+            raise PrefixFlowError(
+                f"the prefix K/V of layer {module.layer_idx} are {cached.dtype} on {cached.device} but this wave "
+                f"computes {current.dtype} on {current.device}: enter the group and run its waves under the same "
+                "autocast, dtype and device."
+            )
     return leaves
 
 
 def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, base_fn, dropout, scaling, kwargs):
-    leaves = _prefix_leaves(marker.cache, module, key)
+    leaves = _prefix_leaves(marker.cache, module, key, value)
     if leaves is not None:
         batch = query.shape[0]
         key = torch.cat([leaves[0].expand(batch, -1, -1, -1), key], dim=2)

@@ -122,9 +122,6 @@ class PrefixGroup:
     # -- Phase B ---------------------------------------------------------------------------------------------
 
     def _run(self, wave: Wave, model_kwargs: dict):
-        if not self._open:
-            raise PrefixFlowError("this prefix group is closed; waves must run inside its `with` block.")
-        self._check_device(wave.input_ids, "suffix ids")
         reserved = {"position_ids", "attention_mask", "past_key_values", "cache", "input_ids", PASS_KWARG}
         clash = reserved & model_kwargs.keys()
         if clash:
@@ -140,6 +137,7 @@ class PrefixGroup:
 
     def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs):
         """A padded wave: right-padded `suffix_ids [B, S]`; `logits[:, t]` predicts `suffix_ids[:, t]`."""
+        self._check_wave_inputs([suffix_ids])
         wave = padded_wave(self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length)
         self.stats.suffixes += suffix_ids.shape[0]
         self.stats.suffix_tokens += int(wave.segment_ids.ge(0).sum())
@@ -147,11 +145,19 @@ class PrefixGroup:
 
     def packed(self, suffixes: list[torch.Tensor], **model_kwargs) -> PackedOutput:
         """A packed wave: the suffixes laid end to end in one row; `split()` the outputs back per suffix."""
+        self._check_wave_inputs(suffixes)
         wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length)
         self.stats.suffixes += len(suffixes)
         self.stats.suffix_tokens += sum(wave.segment_lengths)
         out = self._run(wave, model_kwargs)
         return PackedOutput(out.logits, wave.segment_lengths, out)
+
+    def _check_wave_inputs(self, tensors: list[torch.Tensor]) -> None:
+        if not self._open:
+            raise PrefixFlowError("this prefix group is closed; waves must run inside its `with` block.")
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._check_device(tensor, "suffix ids")
 
     # -- Phase C ---------------------------------------------------------------------------------------------
 

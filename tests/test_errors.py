@@ -1,0 +1,182 @@
+"""Bad input gets a PrefixFlowError that names the fix, and leaves no state behind."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import hf_prefixflow
+from hf_prefixflow import PrefixFlowError, scheduler
+from models import ROPE_VARIANTS, build
+
+
+@pytest.fixture
+def model():
+    return hf_prefixflow.apply_prefixflow(build("llama").train())
+
+
+PREFIX = torch.arange(3, 12)
+SUFFIX = torch.tensor([[5, 6, 7], [8, 9, 0]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+def assert_clean(model):
+    """No group is registered on the model and a fresh group trains normally."""
+    assert not scheduler._active_groups
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX, attention_mask=MASK).logits.sum().backward()
+
+
+def raises(match):
+    return pytest.raises(PrefixFlowError, match=match)
+
+
+def test_empty_prefix(model):
+    with raises("non-empty"):
+        hf_prefixflow.prefix_group(model, torch.tensor([], dtype=torch.long))
+    assert_clean(model)
+
+
+def test_batched_prefix(model):
+    with raises("one prefix_group per distinct prompt"):
+        hf_prefixflow.prefix_group(model, torch.stack([PREFIX, PREFIX]))
+    assert_clean(model)
+
+
+def test_float_prefix(model):
+    with raises("integer tensor"):
+        hf_prefixflow.prefix_group(model, PREFIX.float())
+
+
+def test_model_without_apply():
+    with raises("apply_prefixflow"):
+        hf_prefixflow.prefix_group(build("llama"), PREFIX)
+
+
+def test_nested_groups(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as outer:
+        with raises("cannot nest"):
+            with hf_prefixflow.prefix_group(model, PREFIX):
+                pass
+        outer(SUFFIX).logits.sum().backward()
+    assert_clean(model)
+
+
+def test_group_used_after_exit(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX).logits.sum().backward()
+    with raises("closed"):
+        group(SUFFIX)
+    with raises("entered once"):
+        with group:
+            pass
+    assert_clean(model)
+
+
+def test_exception_inside_block_frees_state_and_skips_phase_c(model):
+    with pytest.raises(RuntimeError, match="user error"):
+        with hf_prefixflow.prefix_group(model, PREFIX) as group:
+            group(SUFFIX).logits.sum().backward()
+            raise RuntimeError("user error")
+    assert not group.cache.layers
+    # Phase C never ran: only suffix-side gradients exist, e.g. layer 0's k_proj saw no prefix backward.
+    suffix_only = model.model.layers[0].self_attn.k_proj.weight.grad.clone()
+    model.zero_grad()
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX).logits.sum().backward()
+    assert not torch.allclose(model.model.layers[0].self_attn.k_proj.weight.grad, suffix_only)
+    assert_clean(model)
+
+
+def test_exit_without_backward(model):
+    with raises("without any suffix backward"):
+        with hf_prefixflow.prefix_group(model, PREFIX) as group:
+            group(SUFFIX)
+    assert_clean(model)
+
+
+def test_no_grad_group_needs_no_backward(model):
+    with torch.no_grad(), hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX)
+    assert_clean(model)
+
+
+def test_device_mismatch(model):
+    with raises("move it with"):
+        hf_prefixflow.prefix_group(model, PREFIX.to("meta"))
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        with raises("move it with"):
+            group(SUFFIX.to("meta"))
+        group(SUFFIX).logits.sum().backward()
+    assert_clean(model)
+
+
+def test_dtype_mismatch_between_phase_a_and_a_wave():
+    model = hf_prefixflow.apply_prefixflow(build("llama", dtype=torch.float32).train())
+    with raises("same autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16), hf_prefixflow.prefix_group(model, PREFIX) as group:
+            with torch.autocast("cpu", enabled=False):
+                group(SUFFIX)
+    assert_clean(model)
+
+
+def test_reentrant_checkpointing():
+    model = build("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    hf_prefixflow.apply_prefixflow(model)
+    with raises("use_reentrant"):
+        hf_prefixflow.prefix_group(model, PREFIX).__enter__()
+    assert not scheduler._active_groups
+
+
+def test_left_padded_suffixes(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        with raises("right-padded"):
+            group(SUFFIX, attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
+        group(SUFFIX).logits.sum().backward()
+
+
+def test_reserved_kwargs(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        with raises("set by the prefix group"):
+            group(SUFFIX, position_ids=torch.zeros_like(SUFFIX))
+        group(SUFFIX).logits.sum().backward()
+
+
+def test_attention_dropout_in_training():
+    model = hf_prefixflow.apply_prefixflow(build("llama", attention_dropout=0.1).train())
+    with raises("attention dropout"):
+        hf_prefixflow.prefix_group(model, PREFIX).__enter__()
+    assert not scheduler._active_groups
+    model.eval()  # dropout is off in eval: the same model then runs
+    with torch.no_grad(), hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX)
+
+
+def test_output_attentions(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        with raises("output_attentions"):
+            group(SUFFIX, output_attentions=True)
+        group(SUFFIX).logits.sum().backward()
+    assert_clean(model)
+
+
+def test_dynamic_rope_is_refused():
+    with raises("static RoPE"):
+        hf_prefixflow.apply_prefixflow(build("llama", rope_parameters=ROPE_VARIANTS["dynamic"]))
+
+
+def test_unsupported_attention_implementation():
+    model = build("llama")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    with raises("not supported"):
+        hf_prefixflow.apply_prefixflow(model)
+
+
+def test_group_memory_is_released(model):
+    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+        group(SUFFIX).logits.sum().backward()
+        live, leaf = weakref.ref(group.cache.layers[0].live_key), weakref.ref(group.cache.layers[0].leaf_key)
+    gc.collect()
+    assert not group.cache.layers and live() is None and leaf() is None

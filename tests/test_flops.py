@@ -1,0 +1,33 @@
+"""The FLOP model reproduces the bounds in shared/notes/perf-targets.md and reads shapes from configs."""
+
+import pytest
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from hf_prefixflow.flops import ModelShape
+
+LLAMA3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256)
+QWEN3_1_7B = dict(layers=28, hidden=2048, attention_width=2048,
+                  layer_weights=2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144, vocab=151936)
+
+
+@pytest.mark.parametrize("prefix,suffix,n,bound", [
+    (10240, 2048, 16, 3.99), (10240, 2048, 32, 4.43), (10240, 2048, 128, 4.83), (6144, 6144, 16, 1.70),
+    (2048, 10240, 16, 1.14)])
+def test_llama3_8b_bounds(prefix, suffix, n, bound):
+    assert ModelShape.from_config(LLAMA3_8B).bound(prefix, [suffix] * n) == pytest.approx(bound, abs=5e-3)
+
+
+@pytest.mark.parametrize("prefix,suffix,n,bound", [
+    (10240, 2048, 4, 2.36), (10240, 2048, 16, 3.57), (6144, 6144, 16, 1.57), (2048, 10240, 4, 1.09)])
+def test_qwen3_1_7b_bounds(prefix, suffix, n, bound):
+    assert ModelShape(**QWEN3_1_7B).bound(prefix, [suffix] * n) == pytest.approx(bound, abs=5e-3)
+
+
+def test_moe_counts_active_experts_and_one_suffix_saves_nothing():
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2)
+    shape = ModelShape.from_config(config)
+    assert shape.layer_weights == 2 * 64 * 64 + 2 * 64 * 32 + 2 * 3 * 64 * 32
+    assert shape.bound(100, [20]) == pytest.approx(1.0)
+    assert shape.full_sequence(100, [20, 30], train=False) * 3 == pytest.approx(shape.full_sequence(100, [20, 30]))
