@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Callable
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -129,7 +129,18 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
         value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     mask = _wave_mask(marker.wave, base, window, query, key.shape[2])
+    if isinstance(mask, CausalBias):
+        query, key, value = _autocast_inputs(query, key, value)
     return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast to the autocast dtype up front: a CausalBias dispatches before autocast would unify q/k/v dtypes."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def prefixflow_attention(

@@ -13,19 +13,38 @@ from dataclasses import dataclass
 import torch
 
 
+class CachedTensor:
+    """One prefix tensor (a layer's K or V): live in the prefix graph, a leaf for the waves, and its gradient.
+
+    Each wave's gradient is moved off the leaf into `grad` as soon as autograd accumulates it, summed in at least
+    fp32: N bf16 additions would round N times, while the baseline sums parameter gradients in fp32.
+    """
+
+    def __init__(self, live: torch.Tensor):
+        self.live = live
+        # Only tensors that reach trainable parameters need a gradient; the others stay plain constants.
+        self.leaf = live.detach().requires_grad_(live.requires_grad)
+        self.grad: torch.Tensor | None = None
+        self._hook = self.leaf.register_post_accumulate_grad_hook(self._accumulate) if live.requires_grad else None
+
+    def _accumulate(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if self.grad is None:
+            self.grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+        else:
+            self.grad += grad
+
+    def release(self) -> None:
+        # The hook refers back to this object: remove it, or the leaf and the prefix graph would stay alive.
+        if self._hook is not None:
+            self._hook.remove()
+        self.live = self.leaf = self.grad = self._hook = None
+
+
 @dataclass
 class LayerKV:
-    """One layer's prefix K/V: `live_*` belong to the prefix graph, `leaf_*` are what suffix waves read."""
-
-    live_key: torch.Tensor
-    live_value: torch.Tensor
-    leaf_key: torch.Tensor
-    leaf_value: torch.Tensor
-
-
-def _leaf(live: torch.Tensor) -> torch.Tensor:
-    # Only tensors that reach trainable parameters need gK/gV; the others stay plain constants.
-    return live.detach().requires_grad_(live.requires_grad)
+    key: CachedTensor
+    value: CachedTensor
 
 
 class TrainingKVCache:
@@ -37,45 +56,32 @@ class TrainingKVCache:
 
     def capture(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Record a layer's live prefix K/V. Idempotent: a checkpoint recompute in Phase C must not replace them."""
-        if layer_idx in self.layers:
-            return
-        self.layers[layer_idx] = LayerKV(key, value, _leaf(key), _leaf(value))
+        if layer_idx not in self.layers:
+            self.layers[layer_idx] = LayerKV(CachedTensor(key), CachedTensor(value))
 
     def leaves(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         entry = self.layers.get(layer_idx)
-        return None if entry is None else (entry.leaf_key, entry.leaf_value)
+        return None if entry is None else (entry.key.leaf, entry.value.leaf)
+
+    def tensors(self) -> list[CachedTensor]:
+        return [t for entry in self.layers.values() for t in (entry.key, entry.value)]
 
     def needs_gradients(self) -> bool:
         """Whether any cached K/V leads back to a trainable parameter."""
-        return any(e.leaf_key.requires_grad or e.leaf_value.requires_grad for e in self.layers.values())
+        return any(t.leaf.requires_grad for t in self.tensors())
 
     def received_gradients(self) -> bool:
-        return any(e.leaf_key.grad is not None or e.leaf_value.grad is not None for e in self.layers.values())
-
-    def pending_gradients(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Live tensors and their accumulated gK/gV, for the tensors that received any gradient."""
-        outputs, grads = [], []
-        for entry in self.layers.values():
-            for live, leaf in ((entry.live_key, entry.leaf_key), (entry.live_value, entry.leaf_value)):
-                if leaf.grad is not None and live.grad_fn is not None:
-                    outputs.append(live)
-                    grads.append(leaf.grad)
-        return outputs, grads
+        return any(t.grad is not None for t in self.tensors())
 
     def backward(self) -> int:
         """Phase C: inject gK/gV into the live prefix K/V and run the one delayed prefix backward."""
-        outputs, grads = self.pending_gradients()
-        if outputs:
-            torch.autograd.backward(outputs, grads)
-        return len(outputs)
+        pending = [t for t in self.tensors() if t.grad is not None and t.live.grad_fn is not None]
+        if pending:
+            torch.autograd.backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
+        return len(pending)
 
     def free(self) -> None:
         """Drop every reference, which releases the prefix graph and its saved activations."""
+        for tensor in self.tensors():
+            tensor.release()
         self.layers.clear()
-
-    def nbytes(self) -> int:
-        total = 0
-        for entry in self.layers.values():
-            for t in (entry.leaf_key, entry.leaf_value):
-                total += t.numel() * t.element_size() * (2 if t.grad is not None else 1)
-        return total

@@ -62,8 +62,8 @@ def test_dropping_earlier_waves_gk_is_caught(monkeypatch):
     original = scheduler.PrefixGroup._run
 
     def forgetful(self, wave, kwargs):
-        for entry in self.cache.layers.values():
-            entry.leaf_key.grad = entry.leaf_value.grad = None
+        for tensor in self.cache.tensors():
+            tensor.grad = None
         return original(self, wave, kwargs)
 
     monkeypatch.setattr(scheduler.PrefixGroup, "_run", forgetful)

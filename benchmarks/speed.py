@@ -1,0 +1,128 @@
+"""Speed on one GPU: full-sequence training vs PrefixFlow, side by side in one process on the same model object.
+
+    python benchmarks/speed.py --model qwen3-1.7b --splits 10240/2048,2048/10240 --n 4,16 --out benchmarks/results
+
+The baseline trains each `[P || S_i]` as an ordinary sequence (one per microbatch, as TRL does with batch 1);
+PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes. Same model object, bf16 weights
+and gradients (full-parameter, no optimizer step), same loss on suffix tokens only, same attention kernels.
+Each row: warm-up, then the median of `--repeats` timed groups (CUDA events), peak allocated memory, and the FLOP
+bound from `hf_prefixflow.flops`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_prefixflow
+from hf_prefixflow.flops import ModelShape
+
+SHAPES = {
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    spec = dict(SHAPES[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, **spec)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return hf_prefixflow.apply_prefixflow(model.train())
+
+
+def suffix_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="mean")
+
+
+def baseline_group(model, prompt, suffixes) -> None:
+    for suffix in suffixes:
+        ids = torch.cat([prompt, suffix])[None]
+        logits = model(ids, logits_to_keep=len(suffix) + 1).logits[:, :-1]
+        suffix_loss(logits, suffix[None]).backward()
+
+
+def prefixflow_group(model, prompt, suffixes, wave: int) -> None:
+    with hf_prefixflow.prefix_group(model, prompt) as group:
+        for start in range(0, len(suffixes), wave):
+            batch = torch.stack(suffixes[start : start + wave])
+            suffix_loss(group(batch).logits, batch).backward()
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """Median seconds over `repeats` runs after one warm-up, and the peak allocated GiB."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--splits", default="10240/2048,2048/10240")
+    parser.add_argument("--n", default="4,16")
+    parser.add_argument("--wave", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="speed")
+    args = parser.parse_args()
+
+    model = build(args.model)
+    shape = ModelShape.from_config(model.config)
+    vocab = model.config.vocab_size
+    rows = []
+    for split in args.splits.split(","):
+        prefix, suffix = map(int, split.split("/"))
+        for n in map(int, args.n.split(",")):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            prompt = torch.randint(0, vocab, (prefix,), device="cuda", generator=gen)
+            suffixes = list(torch.randint(0, vocab, (n, suffix), device="cuda", generator=gen))
+            base_s, base_gib = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats)
+            pf_s, pf_gib = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
+            model.zero_grad(set_to_none=True)
+            bound = shape.bound(prefix, [suffix] * n)
+            row = {"model": args.model, "mode": "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
+                   "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
+                   "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
+                   "share_of_bound": round(base_s / pf_s / bound, 3),
+                   "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
+                   "repeats": args.repeats, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "transformers": transformers.__version__, "date": datetime.date.today().isoformat()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}`"
+             f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
+             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
+              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.0%} | {r['baseline_peak_gib']:.1f} / "
+              f"{r['prefixflow_peak_gib']:.1f} |" for r in rows]
+    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
