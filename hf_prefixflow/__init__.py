@@ -2,8 +2,8 @@
 
 from .errors import PrefixFlowError
 from .model import apply_prefixflow
-from .scheduler import GroupStats, PackedOutput, PrefixGroup, prefix_group
+from .scheduler import GroupSession, GroupStats, PackedOutput, PrefixGroup, prefix_group
 
 __version__ = "0.1.0"
 
-__all__ = ["GroupStats", "PackedOutput", "PrefixFlowError", "PrefixGroup", "apply_prefixflow", "prefix_group"]
+__all__ = ["GroupSession", "GroupStats", "PackedOutput", "PrefixFlowError", "PrefixGroup", "apply_prefixflow", "prefix_group"]

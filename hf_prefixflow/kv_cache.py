@@ -73,15 +73,20 @@ class TrainingKVCache:
     def received_gradients(self) -> bool:
         return any(t.grad is not None for t in self.tensors())
 
-    def backward(self) -> int:
-        """Phase C: inject gK/gV into the live prefix K/V and run the one delayed prefix backward."""
-        pending = [t for t in self.tensors() if t.grad is not None and t.live.grad_fn is not None]
-        if pending:
-            torch.autograd.backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
-        return len(pending)
+    def pending(self) -> list[CachedTensor]:
+        """Cached tensors that received gK/gV and lead back into the prefix graph."""
+        return [t for t in self.tensors() if t.grad is not None and t.live.grad_fn is not None]
 
     def free(self) -> None:
         """Drop every reference, which releases the prefix graph and its saved activations."""
         for tensor in self.tensors():
             tensor.release()
         self.layers.clear()
+
+
+def delayed_backward(caches: list[TrainingKVCache]) -> int:
+    """Phase C: inject every cache's gK/gV into its live prefix K/V and run one backward through all prefix graphs."""
+    pending = [t for cache in caches for t in cache.pending()]
+    if pending:
+        torch.autograd.backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
+    return len(pending)

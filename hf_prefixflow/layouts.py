@@ -29,6 +29,7 @@ class Wave:
     segment_ids: torch.Tensor  # [B, S], suffix index within the row, PADDING for pad tokens
     cached_length: int  # P' = prefix tokens held in the cache
     packed: bool
+    position_offset: int = 0  # position of the first prefix token (left padding in the stock trainer)
     segment_lengths: list[int] = field(default_factory=list)  # packed layout: tokens per suffix
     _masks: dict = field(default_factory=dict, repr=False)
 
@@ -46,7 +47,7 @@ class Wave:
     def key_geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Segment ids and positions of the keys `[cached prefix ; wave]`, prefix keys marked PREFIX."""
         batch, device = self.input_ids.shape[0], self.input_ids.device
-        prefix_pos = torch.arange(self.cached_length, device=device).expand(batch, -1)
+        prefix_pos = self.position_offset + torch.arange(self.cached_length, device=device).expand(batch, -1)
         prefix_seg = torch.full_like(prefix_pos, PREFIX)
         return (torch.cat([prefix_seg, self.segment_ids], dim=1), torch.cat([prefix_pos, self.position_ids], dim=1))
 
@@ -69,7 +70,9 @@ def _check_ids(name: str, ids: torch.Tensor) -> None:
         raise PrefixFlowError(f"{name} must be an integer tensor of token ids, got {getattr(ids, 'dtype', type(ids))}.")
 
 
-def padded_wave(last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int) -> Wave:
+def padded_wave(
+    last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int, position_offset: int = 0
+) -> Wave:
     """Right-padded rows `[B, S]` (mask 1 = real token): one suffix per row."""
     _check_ids("suffix_ids", suffix_ids)
     if suffix_ids.dim() != 2 or suffix_ids.shape[1] == 0:
@@ -92,12 +95,14 @@ def padded_wave(last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, atten
     # Input t carries token t-1; input 0 is the prefix's last token, always real.
     inputs = torch.cat([last_prefix_token.expand(batch, 1), suffix_ids[:, :-1]], dim=1)
     input_real = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], dim=1)
-    positions = cached_length + torch.arange(length, device=device).expand(batch, -1)
+    positions = position_offset + cached_length + torch.arange(length, device=device).expand(batch, -1)
     segments = torch.where(input_real, 0, PADDING)
-    return Wave(inputs, positions, segments, cached_length, packed=False)
+    return Wave(inputs, positions, segments, cached_length, packed=False, position_offset=position_offset)
 
 
-def packed_wave(last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], cached_length: int) -> Wave:
+def packed_wave(
+    last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], cached_length: int, position_offset: int = 0
+) -> Wave:
     """Many suffixes in one row `[1, sum(L_i)]`; each sees the whole prefix and causally only itself."""
     if not suffixes:
         raise PrefixFlowError("packed() needs at least one suffix.")
@@ -109,7 +114,7 @@ def packed_wave(last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], c
             raise PrefixFlowError(f"suffixes[{index}] is empty; drop empty suffixes before packing.")
         lengths.append(suffix.numel())
         inputs.append(torch.cat([last_prefix_token.reshape(1), suffix[:-1]]))
-        positions.append(cached_length + torch.arange(suffix.numel(), device=suffix.device))
+        positions.append(position_offset + cached_length + torch.arange(suffix.numel(), device=suffix.device))
         segments.append(torch.full_like(suffix, index))
     return Wave(
         torch.cat(inputs)[None],
@@ -117,5 +122,6 @@ def packed_wave(last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], c
         torch.cat(segments)[None],
         cached_length,
         packed=True,
+        position_offset=position_offset,
         segment_lengths=lengths,
     )

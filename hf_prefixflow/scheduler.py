@@ -1,9 +1,12 @@
-"""The phase scheduler: `prefix_group` runs Phase A on entry, suffix waves inside, and Phase C on a clean exit.
+"""The phase scheduler: Phase A when a group opens, suffix waves while it is open, Phase C when it closes.
 
     with prefix_group(model, prefix_ids) as group:   # Phase A: prefix forward once, K/V captured
         out = group(suffix_ids, attention_mask=mask)  # Phase B: a padded wave (or group.packed([...]))
         loss_fn(out.logits).backward()                # suffix backward; gK/gV accumulate in the cache
     # Phase C: gK/gV injected into the live prefix K/V, one delayed prefix backward; everything freed
+
+`GroupSession` is the same lifecycle for several groups at once (a trainer's microbatch holds several prompts, and
+a group may span microbatches): open groups one by one, close any subset with one combined prefix backward.
 
 The prefix's last token is not cached: each wave re-reads it as its first input, so `out.logits[:, t]` predicts
 suffix token `t` exactly as position `P-1+t` of `[P || S]` does, and no hidden state crosses the phases.
@@ -18,11 +21,11 @@ import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass, is_wrapped
 from .errors import PrefixFlowError
-from .kv_cache import TrainingKVCache
+from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, decoder_of, unwrap
 
-_active_groups: "weakref.WeakKeyDictionary[torch.nn.Module, PrefixGroup]" = weakref.WeakKeyDictionary()
+_sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -39,7 +42,7 @@ class GroupStats:
 class PackedOutput:
     """Output of a packed wave: `logits` is `[1, T, V]`; `split(x)` cuts any `[1, T, ...]` tensor per suffix."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     segment_lengths: list[int]
     raw: object
 
@@ -48,19 +51,19 @@ class PackedOutput:
 
 
 class PrefixGroup:
-    """One rollout group's shared prefix, run through Phases A, B and C. Create it with `prefix_group`."""
+    """One shared prefix: its training-time KV cache and the suffix waves that read it."""
 
-    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor):
+    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0):
         self.model = model
         self._inner = unwrap(model)
         if not is_wrapped(self._inner.config._attn_implementation):
             raise PrefixFlowError("call hf_prefixflow.apply_prefixflow(model) before opening a prefix group.")
         self.prefix_ids = self._check_prefix(prefix_ids)
+        self.position_offset = int(position_offset)
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1)
         self.stats = GroupStats(prefix_tokens=self.prefix_ids.shape[1])
-        self._open = False
-        self._closed = False
-        self._trains = False
+        self.state = "new"  # -> "open" -> "closed"
+        self.trains = False
 
     def _check_prefix(self, prefix_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.dtype not in (torch.int64, torch.int32):
@@ -79,32 +82,23 @@ class PrefixGroup:
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         device = self._inner.get_input_embeddings().weight.device
         if tensor.device != device:
-            raise PrefixFlowError(f"{name} is on {tensor.device} but the model's embeddings are on {device}; move it with .to({str(device)!r}).")
+            raise PrefixFlowError(
+                f"{name} is on {tensor.device} but the model's embeddings are on {device}; move it with .to({str(device)!r})."
+            )
 
     # -- Phase A ---------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> "PrefixGroup":
-        if self._open or self._closed:
-            raise PrefixFlowError("a PrefixGroup is entered once; open a new prefix_group for the next prompt.")
-        if self._inner in _active_groups:
-            raise PrefixFlowError("a prefix group is already open on this model; groups cannot nest. Exit it first.")
-        _active_groups[self._inner] = self
-        self._open = True
-        try:
-            self._trains = torch.is_grad_enabled()
-            if self._trains:
-                check_checkpointing(self.model)
-            self._prefix_forward()
-        except BaseException:
-            self._release()
-            raise
-        return self
-
     def _prefix_forward(self) -> None:
+        if self.state != "new":
+            raise PrefixFlowError("a prefix group is opened once; open a new one for the next prompt.")
+        self.state = "open"
+        self.trains = torch.is_grad_enabled()
+        if self.trains:
+            check_checkpointing(self.model)
         cached = self.cache.prefix_length
         if cached == 0:
             return
-        positions = torch.arange(cached, device=self.prefix_ids.device)[None]
+        positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         out = decoder_of(self.model)(
             input_ids=self.prefix_ids[:, :-1],
             position_ids=positions,
@@ -112,7 +106,7 @@ class PrefixGroup:
             **{PASS_KWARG: PrefixPass(self.cache)},
         )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        if self._trains and hidden.requires_grad and not self.cache.needs_gradients():
+        if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
                 "the prefix K/V came out of Phase A without a graph although the prefix output has one: reentrant "
                 "activation checkpointing (or a custom checkpoint function) detached them. Use non-reentrant "
@@ -121,7 +115,15 @@ class PrefixGroup:
 
     # -- Phase B ---------------------------------------------------------------------------------------------
 
-    def _run(self, wave: Wave, model_kwargs: dict):
+    def _check_wave_inputs(self, tensors: list[torch.Tensor]) -> None:
+        if self.state != "open":
+            raise PrefixFlowError("this prefix group is closed; waves must run while it is open (inside its block).")
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._check_device(tensor, "suffix ids")
+
+    def run_wave(self, wave: Wave, **model_kwargs):
+        """Forward one prepared wave through the model (kwargs such as TRL's `shift_labels` pass through)."""
         reserved = {"position_ids", "attention_mask", "past_key_values", "cache", "input_ids", PASS_KWARG}
         clash = reserved & model_kwargs.keys()
         if clash:
@@ -135,56 +137,123 @@ class PrefixGroup:
             **model_kwargs,
         )
 
-    def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs):
-        """A padded wave: right-padded `suffix_ids [B, S]`; `logits[:, t]` predicts `suffix_ids[:, t]`."""
-        self._check_wave_inputs([suffix_ids])
-        wave = padded_wave(self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length)
+    def padded_wave(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Wave:
+        """Lay out right-padded `suffix_ids [B, S]` as a wave of this group (see `layouts.padded_wave`)."""
+        self._check_wave_inputs([suffix_ids, attention_mask])
+        wave = padded_wave(
+            self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length, self.position_offset
+        )
         self.stats.suffixes += suffix_ids.shape[0]
         self.stats.suffix_tokens += int(wave.segment_ids.ge(0).sum())
-        return self._run(wave, model_kwargs)
+        return wave
+
+    def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs):
+        """A padded wave: right-padded `suffix_ids [B, S]`; `logits[:, t]` predicts `suffix_ids[:, t]`."""
+        return self.run_wave(self.padded_wave(suffix_ids, attention_mask), **model_kwargs)
 
     def packed(self, suffixes: list[torch.Tensor], **model_kwargs) -> PackedOutput:
         """A packed wave: the suffixes laid end to end in one row; `split()` the outputs back per suffix."""
         self._check_wave_inputs(suffixes)
-        wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length)
+        wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length, self.position_offset)
         self.stats.suffixes += len(suffixes)
         self.stats.suffix_tokens += sum(wave.segment_lengths)
-        out = self._run(wave, model_kwargs)
-        return PackedOutput(out.logits, wave.segment_lengths, out)
+        out = self.run_wave(wave, **model_kwargs)
+        return PackedOutput(getattr(out, "logits", None), wave.segment_lengths, out)
 
-    def _check_wave_inputs(self, tensors: list[torch.Tensor]) -> None:
-        if not self._open:
-            raise PrefixFlowError("this prefix group is closed; waves must run inside its `with` block.")
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
-                self._check_device(tensor, "suffix ids")
+    # -- Phase C (run by the session) ------------------------------------------------------------------------
 
-    # -- Phase C ---------------------------------------------------------------------------------------------
+    def _needs_prefix_backward(self) -> bool:
+        if not (self.trains and self.cache.needs_gradients()):
+            return False
+        if not self.cache.received_gradients():
+            raise PrefixFlowError(
+                "a prefix group closed without any suffix backward, so the prefix would get no gradient. Call "
+                "loss.backward() on each wave while the group is open, or open it under torch.no_grad() to score."
+            )
+        return True
+
+    def _release(self) -> None:
+        self.cache.free()
+        self.state = "closed"
+
+
+class GroupSession:
+    """Prefix groups open on one model: open them one by one, close any subset with one delayed prefix backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._inner = unwrap(model)
+        self.groups: list[PrefixGroup] = []
+        self._entered = False
+
+    def __enter__(self) -> "GroupSession":
+        if self._entered:
+            raise PrefixFlowError("a prefix group (or session) is entered once; open a new one for the next prompt.")
+        if self._inner in _sessions:
+            raise PrefixFlowError("a prefix group is already open on this model; groups cannot nest. Exit it first.")
+        _sessions[self._inner] = self
+        self._entered = True
+        return self
+
+    def open(self, prefix_ids: torch.Tensor, position_offset: int = 0) -> PrefixGroup:
+        """Phase A for one more prefix; returns its group."""
+        return self.add(PrefixGroup(self.model, prefix_ids, position_offset))
+
+    def add(self, group: PrefixGroup) -> PrefixGroup:
+        """Phase A for a group built beforehand (validated at construction)."""
+        if _sessions.get(self._inner) is not self:
+            raise PrefixFlowError("this session is not open; use it as `with GroupSession(model) as session:`.")
+        try:
+            group._prefix_forward()
+        except BaseException:
+            group._release()
+            raise
+        self.groups.append(group)
+        return group
+
+    def close(self, groups: list[PrefixGroup] | None = None) -> None:
+        """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them."""
+        closing = list(self.groups) if groups is None else list(groups)
+        try:
+            delayed_backward([g.cache for g in closing if g._needs_prefix_backward()])
+        finally:
+            for group in closing:
+                group._release()
+            self.groups = [g for g in self.groups if g not in closing]
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                self._prefix_backward()
+                self.close()
         finally:
-            self._release()
-
-    def _prefix_backward(self) -> None:
-        if not (self._trains and self.cache.needs_gradients()):
-            return
-        if not self.cache.received_gradients():
-            raise PrefixFlowError(
-                "the group closed without any suffix backward, so the prefix would get no gradient. Call "
-                "loss.backward() on each wave inside the block, or open the group under torch.no_grad() to score."
-            )
-        self.cache.backward()
-
-    def _release(self) -> None:
-        self.cache.free()
-        self._open = False
-        self._closed = True
-        _active_groups.pop(self._inner, None)
+            for group in self.groups:
+                group._release()
+            self.groups = []
+            _sessions.pop(self._inner, None)
 
 
-def prefix_group(model: torch.nn.Module, prefix_ids: torch.Tensor) -> PrefixGroup:
-    """Open a group over one shared prefix (`[P]` or `[1, P]`); use it as a context manager."""
-    return PrefixGroup(model, prefix_ids)
+class _SingleGroup:
+    """What `prefix_group` returns: a session holding exactly one group, entered once."""
+
+    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int):
+        self.group = PrefixGroup(model, prefix_ids, position_offset)  # validates now, before any `with`
+        self.session = GroupSession(model)
+
+    def __enter__(self) -> PrefixGroup:
+        self.session.__enter__()
+        try:
+            return self.session.add(self.group)
+        except BaseException as exc:
+            self.session.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.session.__exit__(exc_type, exc, tb)
+
+
+def prefix_group(model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0) -> _SingleGroup:
+    """Open one group over a shared prefix (`[P]` or `[1, P]`) as a context manager; it yields the `PrefixGroup`.
+
+    `position_offset` is the position of the prefix's first token (0 unless the stock path left-pads prompts).
+    """
+    return _SingleGroup(model, prefix_ids, position_offset)

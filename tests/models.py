@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -37,8 +39,12 @@ COMMON = dict(
     tie_word_embeddings=False,
 )
 
+GPT2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+
 # family -> (model class, config class, config overrides, attention implementation)
 FAMILIES = {
+    "gpt2": (GPT2LMHeadModel, GPT2Config, {}, "sdpa"),  # learned absolute positions, no RoPE
     "llama": (LlamaForCausalLM, LlamaConfig, {}, "sdpa"),
     "llama_eager": (LlamaForCausalLM, LlamaConfig, {}, "eager"),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}, "sdpa"),  # q/k/v biases
@@ -91,7 +97,8 @@ ROPE_VARIANTS = {
 def build(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, attn: str | None = None, **overrides):
     """A tiny model of `family` with random weights (scaled up so attention is far from uniform)."""
     model_cls, config_cls, family_overrides, default_attn = FAMILIES[family]
-    config = config_cls(**{**COMMON, **family_overrides, **overrides})
+    base = GPT2 if config_cls is GPT2Config else COMMON
+    config = config_cls(**{**base, **family_overrides, **overrides})
     if hasattr(config, "_experts_implementation"):
         config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     torch.manual_seed(seed)

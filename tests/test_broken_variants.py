@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_prefixflow import kv_cache, layouts, scheduler
+from hf_prefixflow import layouts, scheduler
 from equivalence import random_group, random_plan, train_side_by_side
 from models import build
 
@@ -20,7 +20,7 @@ def test_unbroken_baseline_passes():
 
 
 def test_skipping_phase_c_is_caught(monkeypatch):
-    monkeypatch.setattr(kv_cache.TrainingKVCache, "backward", lambda self: 0)
+    monkeypatch.setattr(scheduler, "delayed_backward", lambda caches: 0)
     with pytest.raises(AssertionError, match="grad"):
         _run()
 
@@ -44,7 +44,10 @@ def test_packed_suffixes_seeing_each_other_are_caught(monkeypatch):
     build_mask = layouts.Wave._build
 
     def leaky(self, window):  # every packed token in one segment: suffixes attend across each other
-        merged = layouts.Wave(self.input_ids, self.position_ids, torch.zeros_like(self.segment_ids), self.cached_length, True)
+        merged = layouts.Wave(
+            self.input_ids, self.position_ids, torch.zeros_like(self.segment_ids), self.cached_length, True,
+            self.position_offset
+        )
         return build_mask(merged, window)
 
     monkeypatch.setattr(layouts.Wave, "_build", leaky)
@@ -59,13 +62,13 @@ def test_ignoring_the_sliding_window_is_caught(monkeypatch):
 
 
 def test_dropping_earlier_waves_gk_is_caught(monkeypatch):
-    original = scheduler.PrefixGroup._run
+    original = scheduler.PrefixGroup.run_wave
 
-    def forgetful(self, wave, kwargs):
+    def forgetful(self, wave, **kwargs):
         for tensor in self.cache.tensors():
             tensor.grad = None
-        return original(self, wave, kwargs)
+        return original(self, wave, **kwargs)
 
-    monkeypatch.setattr(scheduler.PrefixGroup, "_run", forgetful)
+    monkeypatch.setattr(scheduler.PrefixGroup, "run_wave", forgetful)
     with pytest.raises(AssertionError):
         _run("qwen3", seed=3)

@@ -22,7 +22,7 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
 def assert_clean(model):
     """No group is registered on the model and a fresh group trains normally."""
-    assert not scheduler._active_groups
+    assert not scheduler._sessions
     with hf_prefixflow.prefix_group(model, PREFIX) as group:
         group(SUFFIX, attention_mask=MASK).logits.sum().backward()
 
@@ -63,12 +63,13 @@ def test_nested_groups(model):
 
 
 def test_group_used_after_exit(model):
-    with hf_prefixflow.prefix_group(model, PREFIX) as group:
+    scope = hf_prefixflow.prefix_group(model, PREFIX)
+    with scope as group:
         group(SUFFIX).logits.sum().backward()
     with raises("closed"):
         group(SUFFIX)
     with raises("entered once"):
-        with group:
+        with scope:
             pass
     assert_clean(model)
 
@@ -126,7 +127,7 @@ def test_reentrant_checkpointing():
     hf_prefixflow.apply_prefixflow(model)
     with raises("use_reentrant"):
         hf_prefixflow.prefix_group(model, PREFIX).__enter__()
-    assert not scheduler._active_groups
+    assert not scheduler._sessions
 
 
 def test_left_padded_suffixes(model):
@@ -147,7 +148,7 @@ def test_attention_dropout_in_training():
     model = hf_prefixflow.apply_prefixflow(build("llama", attention_dropout=0.1).train())
     with raises("attention dropout"):
         hf_prefixflow.prefix_group(model, PREFIX).__enter__()
-    assert not scheduler._active_groups
+    assert not scheduler._sessions
     model.eval()  # dropout is off in eval: the same model then runs
     with torch.no_grad(), hf_prefixflow.prefix_group(model, PREFIX) as group:
         group(SUFFIX)

@@ -7,6 +7,8 @@ from peft import LoraConfig, get_peft_model
 import hf_prefixflow
 from equivalence import (
     assert_rel_close,
+    pad,
+    token_loss,
     assert_same_gradients,
     full_sequence_backward,
     gradients,
@@ -100,3 +102,58 @@ def test_scoring_under_no_grad_matches_full_sequence_logits():
         for logits, suffix in zip(out.split(out.logits), group.suffixes):
             full = model(torch.cat([group.prefix, suffix])[None]).logits[0, p - 1 : p - 1 + len(suffix)]
             assert_rel_close(logits, full, "scoring logits")
+
+
+def _left_padded_reference(model, groups, width, gen):
+    """What TRL runs: prompts left-padded to a common width, completions right-padded, one batch."""
+    rows, masks, spans = [], [], []
+    for group in groups:
+        left = width - len(group.prefix)
+        for suffix, weights in zip(group.suffixes, group.weights):
+            rows.append(torch.cat([torch.randint(0, 97, (left,), generator=gen), group.prefix, suffix]))
+            real = len(group.prefix) + len(suffix)
+            masks.append(torch.cat([torch.zeros(left, dtype=torch.long), torch.ones(real, dtype=torch.long)]))
+            spans.append((width - 1, suffix, weights))
+    ids, real = pad(rows, gen)
+    mask = pad(masks, gen)[0] * real  # right padding is masked too
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = sum(token_loss(logits[r, start : start + len(s)], s, w) for r, (start, s, w) in enumerate(spans))
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("family,seed", [("qwen3", 0), ("qwen3", 1), ("gpt2", 2), ("gpt2", 3)])
+def test_session_of_several_left_padded_groups(family, seed):
+    """Several groups open at once (a trainer's microbatch), positions shifted by left padding, waves interleaved,
+    one group closed early: the same gradients as TRL's left-padded full-sequence batch."""
+    gen = torch.Generator().manual_seed(seed)
+    model = _setup(family)  # gpt2's learned absolute positions make the left-padding offset observable
+    groups = [random_group(gen, n=(1, 4)) for _ in range(3)]
+    width = max(len(g.prefix) for g in groups) + 2
+    ref_loss = _left_padded_reference(model, groups, width, gen)
+    reference = gradients(model)
+    model.zero_grad(set_to_none=True)
+    hf_prefixflow.apply_prefixflow(model)
+    waves = [(gi, layout, rows) for gi, g in enumerate(groups) for layout, rows in random_plan(gen, len(g.suffixes))]
+    waves = [waves[i] for i in torch.randperm(len(waves), generator=gen).tolist()]
+    pf_loss = 0.0
+    with hf_prefixflow.GroupSession(model) as session:
+        opened = [session.open(g.prefix, position_offset=width - len(g.prefix)) for g in groups]
+        for step, (gi, layout, rows) in enumerate(waves):
+            group = groups[gi]
+            suffixes = [group.suffixes[i] for i in rows]
+            if layout == "padded":
+                ids, mask = pad(suffixes, gen)
+                logits = opened[gi](ids, attention_mask=mask).logits
+                per_row = [logits[r, : len(s)] for r, s in enumerate(suffixes)]
+            else:
+                out = opened[gi].packed(suffixes)
+                per_row = out.split(out.logits)
+            loss = sum(token_loss(lg, s, group.weights[i]) for lg, s, i in zip(per_row, suffixes, rows))
+            loss.backward()
+            pf_loss += loss.item()
+            remaining = [w[0] for w in waves[step + 1 :]]
+            if remaining and gi not in remaining:
+                session.close([opened[gi]])  # a group whose waves are done closes early; the last one on exit
+    assert_rel_close(pf_loss, ref_loss, "loss")
+    assert_same_gradients(gradients(model), reference)
