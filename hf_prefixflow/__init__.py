@@ -6,4 +6,13 @@ from .scheduler import GroupSession, GroupStats, PackedOutput, PrefixGroup, pref
 
 __version__ = "0.1.0"
 
-__all__ = ["GroupSession", "GroupStats", "PackedOutput", "PrefixFlowError", "PrefixGroup", "apply_prefixflow", "prefix_group"]
+def __getattr__(name: str):
+    # The trainers import TRL, which the core does not need: load them on first use.
+    if name in ("PrefixFlowGRPOTrainer", "PrefixFlowGRPOConfig"):
+        import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["GroupSession", "GroupStats", "PackedOutput", "PrefixFlowError", "PrefixGroup", "apply_prefixflow", "prefix_group", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer"]

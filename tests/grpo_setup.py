@@ -1,0 +1,66 @@
+"""A tiny, offline GRPO setup: a local word-level tokenizer, a random-init model, prompts, rewards, frozen rollouts."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+WORDS = [f"w{i}" for i in range(90)]
+SPECIALS = ["<pad>", "<eos>", "<bos>"]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", padding_side="left")
+
+
+def make_model(seed: int = 0, dtype=torch.float32, **overrides) -> Qwen3ForCausalLM:
+    config = Qwen3Config(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                         tie_word_embeddings=False, **overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def make_dataset(prompts: int = 4, seed: int = 0, lengths=(12, 30)) -> Dataset:
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*lengths))) for _ in range(prompts)]
+    return Dataset.from_dict({"prompt": texts})
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    return [float(len(c.split()) % 3) + 0.1 * c.count("w1") for c in completions]
+
+
+def freeze_rollouts(trainer, max_length: int, seed: int = 0) -> None:
+    """Replace sampling by completions that depend only on the prompt and the call count: both trainers see the
+    same rollouts however their weights drift."""
+    calls = {"n": 0}
+    eos = 1
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        calls["n"] += 1
+        out = []
+        for index, prompt in enumerate(prompt_ids):
+            rng = random.Random(hash((tuple(prompt), index, calls["n"], seed)) & 0xFFFFFFFF)
+            length = rng.randint(1, max_length)
+            tokens = [rng.randrange(3, len(SPECIALS) + len(WORDS)) for _ in range(length)]
+            if length < max_length and rng.random() < 0.7:
+                tokens[-1] = eos
+            out.append(tokens)
+        return out, None
+
+    trainer._generate_single_turn = generate

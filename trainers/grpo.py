@@ -1,0 +1,258 @@
+"""PrefixFlowGRPOTrainer: TRL's GRPOTrainer whose actor update and scoring passes run each prompt as a prefix group.
+
+Swap `GRPOTrainer` for `PrefixFlowGRPOTrainer`; the config, data, loss, metrics and checkpoints stay TRL's. Only
+two things change. Batches are shuffled and split by whole groups instead of rows. And the per-token log-probs
+come from prefix groups: a prompt runs forward once (Phase A), its completions run as a suffix wave through TRL's
+own fused LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C)
+runs once the last microbatch that reads the prompt has been backpropagated, before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+
+from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow
+from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.model import unwrap
+
+from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
+
+logger = logging.getLogger(__name__)
+
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                   "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass
+class PrefixFlowGRPOConfig(GRPOConfig):
+    """`GRPOConfig` plus PrefixFlow's knobs; a plain `GRPOConfig` gets these defaults."""
+
+    prefixflow_layout: str = field(
+        default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
+    prefixflow_min_speedup: float = field(
+        default=1.05, metadata={"help": "groups whose FLOP bound is below this train on the plain path (logged)"})
+    prefixflow_scoring: bool = field(
+        default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
+
+
+DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
+            for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring")}
+
+
+class PrefixFlowGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` with training-time KV caching of each group's shared prompt."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_supported()
+        for name, default in DEFAULTS.items():
+            setattr(self, name, getattr(self.args, name, default))
+        if self.prefixflow_layout not in ("padded", "packed"):
+            raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
+        apply_prefixflow(self.model)
+        if self.ref_model is not None:
+            apply_prefixflow(self.ref_model)
+        self._shape = ModelShape.from_config(unwrap(self.model).config)
+        self._session: GroupSession | None = None
+        self._open: dict[tuple, object] = {}
+        self._fallbacks: Counter = Counter()
+
+    def _check_supported(self) -> None:
+        check_geometry(self.args.per_device_train_batch_size, self.num_generations)
+        if self.accelerator.num_processes > 1:
+            raise PrefixFlowError(
+                "PrefixFlowGRPOTrainer runs on one process for now (data, ZeRO and sequence parallel rules are not "
+                "in this release); launch with a single process or use GRPOTrainer."
+            )
+        kwargs = self.args.gradient_checkpointing_kwargs or {}
+        if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
+            raise PrefixFlowError(
+                "reentrant activation checkpointing detaches the prefix K/V from the prefix graph. Set "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's default)."
+            )
+
+    # -- data flow: whole groups ------------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+            batch = shuffle_groups(batch, self.num_generations)  # the stock trainer shuffles rows here
+            chunks = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # -- log-probs through prefix groups ----------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        plain = lambda rows: super(PrefixFlowGRPOTrainer, self)._get_per_token_logps_and_entropies(  # noqa: E731
+            model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size, compute_entropy,
+            compute_aux_loss, **extra)
+        training = torch.is_grad_enabled()
+        reason = self._plain_path_reason(compute_aux_loss, extra, training)
+        if reason:
+            self._count_fallback(reason, input_ids.shape[0])
+            return plain(slice(None))
+
+        groups = find_groups(input_ids, attention_mask, logits_to_keep)
+        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:])
+        completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
+        pieces: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+        start = time.perf_counter()
+        if fallback:
+            self._count_fallback("below prefixflow_min_speedup", len(fallback))
+            logps, entropies, _ = plain(fallback)
+            pieces.append((fallback, logps, entropies))
+        if shared:
+            if training:
+                pieces += self._training_waves(model, shared, completions, completion_mask, compute_entropy)
+            else:
+                with GroupSession(model) as session:
+                    pieces += [self._wave(self._open_group(session, g), g.rows, completions, completion_mask,
+                                          compute_entropy) for g in shared]
+        self._log_groups(shared, completion_mask, training, time.perf_counter() - start)
+        order = torch.tensor([r for rows, _, _ in pieces for r in rows], device=input_ids.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order), device=order.device)
+        logps = torch.cat([p[1] for p in pieces])[inverse]
+        entropies = torch.cat([p[2] for p in pieces])[inverse] if compute_entropy else None
+        return logps, entropies, None
+
+    def _plain_path_reason(self, compute_aux_loss: bool, extra: dict, training: bool) -> str | None:
+        if any(extra.get(key) is not None for key in MULTIMODAL_KEYS):
+            return "multimodal inputs"
+        if compute_aux_loss:
+            return "router auxiliary loss"
+        if not training and not self.prefixflow_scoring:
+            return "prefixflow_scoring=False"
+        return None
+
+    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor):
+        """Groups worth sharing, and the rows that train on the plain path (the FLOP model's verdict)."""
+        lengths = completion_mask.sum(dim=1).tolist()
+        shared, fallback = [], []
+        for group in groups:
+            bound = self._shape.bound(len(group.prefix_ids), [int(lengths[r]) for r in group.rows])
+            if bound >= self.prefixflow_min_speedup and len(group.prefix_ids) > 1:
+                shared.append(group)
+            else:
+                fallback += group.rows
+        return shared, fallback
+
+    def _open_group(self, session: GroupSession, group: BatchGroup):
+        with self.accelerator.autocast():  # Phase A under the same autocast as the waves, as in TRL's forward
+            return session.open(group.prefix_ids, group.position_offset)
+
+    def _wave(self, group, rows, completions, completion_mask, compute_entropy):
+        """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
+        ids, mask = completions[rows], completion_mask[rows]
+        labels = ids.masked_fill(mask == 0, -100)
+        with self.accelerator.autocast():
+            if self.prefixflow_layout == "packed":
+                real = mask.sum(dim=1).clamp(min=1).tolist()
+                suffixes = [row[:n] for row, n in zip(ids, real)]
+                out = group.packed(suffixes, shift_labels=_pack(labels, real), fused_lm_head=True).raw
+                logps, entropy = _unpack(out.log_probs, real, ids.shape[1]), _unpack(out.entropy, real, ids.shape[1])
+            else:
+                out = group(ids, attention_mask=mask, shift_labels=labels, fused_lm_head=True)
+                logps, entropy = out.log_probs, out.entropy
+        return rows, logps, (entropy if compute_entropy else None)
+
+    # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
+
+    def _training_waves(self, model, groups, completions, completion_mask, compute_entropy):
+        if self._session is None:
+            self._session = GroupSession(model).__enter__()
+        pieces = []
+        for g in groups:
+            group = self._open.get(g.key)
+            if group is None:
+                group = self._open[g.key] = self._open_group(self._session, g)
+            pieces.append(self._wave(group, g.rows, completions, completion_mask, compute_entropy))
+        return pieces
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException as exc:
+            self._end_session(exc)
+            raise
+        start = time.perf_counter()
+        if self.accelerator.sync_gradients:
+            self._end_session()  # Phase C for every open group, before the optimizer step
+        else:
+            self._close_groups_not_in_next_microbatch()
+        self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+        return loss
+
+    def _close_groups_not_in_next_microbatch(self) -> None:
+        if self._session is None:
+            return
+        upcoming = self._next_microbatch()
+        keep = set()
+        if upcoming is not None:
+            ids = torch.cat([upcoming["prompt_ids"], upcoming["completion_ids"]], dim=1)
+            mask = torch.cat([upcoming["prompt_mask"], upcoming["completion_mask"]], dim=1)
+            keep = {g.key for g in find_groups(ids, mask, upcoming["completion_ids"].shape[1])}
+        closing = [key for key in self._open if key not in keep]
+        self._session.close([self._open.pop(key) for key in closing])
+
+    def _next_microbatch(self) -> dict | None:
+        """The buffered microbatch the next step trains on, unless a new generation comes first."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._buffered_inputs is None or self._step % generate_every == 0:
+            return None
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _end_session(self, exc: BaseException | None = None) -> None:
+        session, self._session = self._session, None
+        self._open = {}
+        if session is not None:
+            session.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+
+    def _count_fallback(self, reason: str, rows: int) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        if not self._fallbacks[reason]:
+            logger.warning("PrefixFlow: rows take the plain GRPO path (%s); counted in prefixflow/fallback_rows.", reason)
+        self._fallbacks[reason] += rows
+
+    def _log_groups(self, groups: list[BatchGroup], completion_mask: torch.Tensor, training: bool, seconds: float):
+        if not groups:
+            return
+        mode = "train" if self.model.training else "eval"
+        lengths = completion_mask.sum(dim=1).tolist()
+        prefix_tokens = sum(len(g.prefix_ids) * len(g.rows) for g in groups)
+        suffix_tokens = sum(lengths[r] for g in groups for r in g.rows)
+        full = sum(self._shape.full_sequence(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
+        shared = sum(self._shape.prefixflow(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
+        prefix = "prefixflow/" if training else "prefixflow/scoring_"
+        metrics = self._metrics[mode]
+        metrics[prefix + "groups"].append(float(len(groups)))
+        metrics[prefix + "prefix_ratio"].append(prefix_tokens / max(prefix_tokens + suffix_tokens, 1))
+        metrics[prefix + "tokens_saved"].append(float(sum(len(g.prefix_ids) * (len(g.rows) - 1) for g in groups)))
+        metrics[prefix + "flops_saved"].append(1.0 - shared / full)
+        metrics[prefix + ("phase_ab_s" if training else "s")].append(seconds)
+
+
+def _pack(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.cat([row[:n] for row, n in zip(labels, lengths)])[None]
+
+
+def _unpack(values: torch.Tensor | None, lengths: list[int], width: int) -> torch.Tensor | None:
+    if values is None:
+        return None
+    rows = values[0].split(lengths)
+    return torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
