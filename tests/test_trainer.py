@@ -1,0 +1,162 @@
+"""PrefixFlowGRPOTrainer against TRL's GRPOTrainer: same model, seed, data, config and frozen rollouts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import trl.trainer.grpo_trainer as trl_grpo
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+import grpo_setup as setup
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from trainers import grpo as pf_grpo
+from trainers.grouping import check_group_prompts
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+class GradientRecorder(TrainerCallback):
+    """Keeps every parameter's gradient just before each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+
+@pytest.fixture(autouse=True)
+def same_microbatches(monkeypatch):
+    """Both trainers keep rows in sampler order, so microbatches hold the same rows (normalisers depend on it)."""
+    monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1])
+
+
+def train(trainer_cls, model, tmp_path, steps=1, config_cls=GRPOConfig, peft_config=None, rollouts=8, **overrides):
+    options = dict(output_dir=str(tmp_path / trainer_cls.__name__), per_device_train_batch_size=8, num_generations=4,
+                   max_completion_length=rollouts, max_steps=steps, report_to="none", logging_steps=1, use_cpu=True,
+                   save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3, bf16=False,
+                   model_init_kwargs={"dtype": torch.float32})
+    options.update(overrides)
+    trainer = trainer_cls(model=model, reward_funcs=setup.length_reward, args=config_cls(**options),
+                          train_dataset=setup.make_dataset(prompts=6), processing_class=setup.make_tokenizer(),
+                          peft_config=peft_config)
+    setup.freeze_rollouts(trainer, rollouts)
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return recorder.steps, weights, trainer.state.log_history
+
+
+def assert_aligned(stock, prefixflow, rtol=2e-4):
+    (stock_grads, stock_weights, stock_logs), (pf_grads, pf_weights, pf_logs) = stock, prefixflow
+    assert len(stock_grads) == len(pf_grads) > 0
+    for step, (expected, actual) in enumerate(zip(stock_grads, pf_grads)):
+        assert expected.keys() == actual.keys()
+        for name in expected:
+            err = (actual[name] - expected[name]).abs().max().item()
+            scale = expected[name].abs().max().item()
+            assert err <= rtol * scale + 1e-7, f"step {step} grad {name}: {err:.2e} vs {scale:.2e}"
+    for name in stock_weights:
+        torch.testing.assert_close(pf_weights[name], stock_weights[name], rtol=0, atol=1e-5, msg=name)
+    for expected, actual in zip(stock_logs, pf_logs):
+        if "loss" in expected:
+            assert actual["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
+            assert actual.get("reward") == expected.get("reward")
+            assert actual["prefixflow/groups"] > 0 and "prefixflow/flops_saved" in actual
+
+
+def both(tmp_path, model_factory=setup.make_model, **kwargs):
+    base = model_factory()
+    stock = train(GRPOTrainer, copy.deepcopy(base) if not isinstance(base, str) else base, tmp_path, **kwargs)
+    pf = train(PrefixFlowGRPOTrainer, copy.deepcopy(base) if not isinstance(base, str) else base, tmp_path, **kwargs)
+    return stock, pf
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_matches_stock(tmp_path, loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    assert_aligned(*both(tmp_path, loss_type=loss_type, **extra))
+
+
+def test_sequence_importance_sampling_and_clipping(tmp_path):
+    assert_aligned(*both(tmp_path, importance_sampling_level="sequence", epsilon=0.1, epsilon_high=0.3, num_iterations=2,
+                         steps=2))
+
+
+def test_kl_with_a_reference_model(tmp_path):
+    path = tmp_path / "policy"
+    setup.make_model().save_pretrained(path)
+    setup.make_tokenizer().save_pretrained(path)
+    assert_aligned(*both(tmp_path, model_factory=lambda: str(path), beta=0.1, steps=2))
+
+
+def test_lora_with_kl_through_disabled_adapters(tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    stock, pf = both(tmp_path, peft_config=lora, beta=0.05, steps=2)
+    assert all("lora_" in n for n in stock[0][0])
+    assert_aligned(stock, pf)
+
+
+def test_gradient_accumulation_with_groups_spanning_microbatches(tmp_path, monkeypatch):
+    """per_device_train_batch_size=2 with num_generations=4: each prompt's cache serves two microbatches."""
+    opened = []
+    original_open = pf_grpo.GroupSession.open
+    monkeypatch.setattr(pf_grpo.GroupSession, "open", lambda self, *a, **k: opened.append(1) or original_open(self, *a, **k))
+    stock, pf = both(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, steps=2)
+    assert_aligned(stock, pf)
+    assert len(opened) == 2 * 2  # 2 steps x 2 prompts, not one prefix pass per microbatch
+
+
+def test_steps_per_generation_and_num_iterations(tmp_path):
+    """Old-policy log-probs are computed here (scoring pass, forward only): they reuse the prefix too."""
+    stock, pf = both(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=4,
+                     num_iterations=2, steps=4)
+    assert_aligned(stock, pf)
+    assert any(log.get("prefixflow/scoring_groups") for log in pf[2])
+
+
+def test_entropy_masking_and_checkpointing(tmp_path):
+    assert_aligned(*both(tmp_path, top_entropy_quantile=0.5, gradient_checkpointing=True, steps=2))
+
+
+def test_packed_layout_and_trajectory_over_steps(tmp_path):
+    stock, pf = both(tmp_path, steps=4, config_cls=PrefixFlowGRPOConfig, prefixflow_layout="packed")
+    assert_aligned(stock, pf)
+
+
+def test_default_adamw_trajectory_stays_aligned(tmp_path):
+    stock, pf = both(tmp_path, steps=3, optim="adamw_torch", learning_rate=1e-3)
+    for name in stock[1]:
+        torch.testing.assert_close(pf[1][name], stock[1][name], rtol=0, atol=2e-5, msg=name)
+
+
+def test_batch_that_splits_groups_unevenly_is_refused(tmp_path):
+    with pytest.raises(PrefixFlowError, match="divisor"):
+        train(PrefixFlowGRPOTrainer, setup.make_model(), tmp_path, per_device_train_batch_size=6,
+              num_generations=4, gradient_accumulation_steps=2)
+
+
+def test_reentrant_checkpointing_is_refused(tmp_path):
+    with pytest.raises(PrefixFlowError, match="use_reentrant"):
+        train(PrefixFlowGRPOTrainer, setup.make_model(), tmp_path, gradient_checkpointing=True,
+              gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_prompts_that_differ_within_a_group_are_refused():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [7, 8, 4]])
+    batch = {"prompt_ids": ids, "prompt_mask": (ids != 0).long()}
+    with pytest.raises(PrefixFlowError, match="prompt tokens differ"):
+        check_group_prompts(batch, 2)
+    check_group_prompts({"prompt_ids": ids[:2], "prompt_mask": (ids[:2] != 0).long()}, 2)
+
+
+def test_a_trainer_that_skips_phase_c_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr("hf_prefixflow.scheduler.delayed_backward", lambda caches: 0)
+    with pytest.raises(AssertionError, match="grad"):
+        assert_aligned(*both(tmp_path))
