@@ -14,6 +14,9 @@ setup(
         "transformers>=5.17,<5.25",
         "accelerate>=1.15,<1.16",
         "peft>=0.17,<0.22",
+        "trl>=1.16,<1.17",
+        "datasets>=3",
+        "matplotlib>=3.7",
     ],
-    extras_require={"dev": ["pytest>=8"]},
+    extras_require={"dev": ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6"]},
 )

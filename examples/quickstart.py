@@ -35,14 +35,14 @@ def group_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, 
     return -(logp * mask * advantages[:, None]).sum() / mask.sum()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="path of a checkpoint to load with from_pretrained")
     parser.add_argument("--prefix", type=int, default=512, help="prompt tokens")
     parser.add_argument("--suffix", type=int, default=48, help="longest completion")
     parser.add_argument("--n", type=int, default=8, help="completions in the group")
     parser.add_argument("--wave", type=int, default=4, help="completions per suffix wave")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     dtype = torch.float32 if args.model else torch.float64
     baseline = load_model(args.model, dtype).train()
@@ -87,6 +87,7 @@ def main() -> None:
     print(f"gradients: max relative difference {worst:.2e} ({worst_name}) over {len(list(model.parameters()))} tensors")
     print(f"FLOPs: full sequence {full:.3e}, PrefixFlow {shared:.3e}: {1 - shared / full:.1%} saved, bound {full / shared:.2f}x")
     print(f"time on this machine: full sequence {baseline_s:.2f}s, PrefixFlow {prefixflow_s:.2f}s")
+    return worst
 
 
 if __name__ == "__main__":

@@ -49,8 +49,12 @@ def check_group_prompts(batch: dict, group_size: int) -> None:
 def shuffle_groups(batch: dict, group_size: int, generator: torch.Generator | None = None) -> dict:
     """TRL's row shuffle at group granularity: groups move as blocks, so microbatches keep completions together."""
     check_group_prompts(batch, group_size)
-    rows = batch["prompt_ids"].shape[0]
-    order = torch.randperm(rows // group_size, generator=generator)
+    # Draw exactly what TRL's row shuffle draws, so the RNG stream (and with it every later sample) stays the
+    # stock trainer's; groups then move in the order their rows first appear in that permutation.
+    rows = torch.randperm(batch["prompt_ids"].shape[0], generator=generator)
+    groups = rows // group_size
+    first = torch.full((len(rows) // group_size,), len(rows)).scatter_reduce(0, groups, torch.arange(len(rows)), "amin")
+    order = first.argsort()
     permutation = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
     return {key: _permute(value, permutation) for key, value in batch.items()}
 

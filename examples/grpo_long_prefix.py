@@ -1,0 +1,153 @@
+"""Long-prefix GRPO: the stock TRL trainer and PrefixFlowGRPOTrainer on the same job, side by side.
+
+    python examples/grpo_long_prefix.py                         # both trainers, tiny model, synthetic RAG task
+    python examples/grpo_long_prefix.py --trainer prefixflow    # one of them
+    accelerate launch --config_file examples/accelerate/single_gpu.yaml examples/grpo_long_prefix.py --trainer prefixflow
+    python examples/grpo_long_prefix.py --model PATH --dataset NAME_OR_PATH   # a real checkpoint and dataset
+
+The only difference between the two runs is the trainer class. The default job needs no network: a random-init
+model built from a config, a tokenizer made locally, and a synthetic RAG dataset (passages + a question; the reward
+checks the answer appears in the completion). It prints step time, actor-update time (step minus generation) and
+reward for each trainer and writes a PNG of the reward and loss curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic
+
+TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainer", choices=["both", *TRAINERS], default="both")
+    parser.add_argument("--model", help="checkpoint for from_pretrained (default: a tiny random-init model)")
+    parser.add_argument("--dataset", help="datasets.load_dataset name or path with 'prompt' and 'answer' columns")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--passages", type=int, default=40, help="synthetic task: passages per prompt")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--max-completion-length", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128, help="tiny model width")
+    parser.add_argument("--layers", type=int, default=4, help="tiny model depth")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--out", default="grpo_long_prefix_out")
+    return parser.parse_args(argv)
+
+
+def load(args):
+    if args.model:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                                     attn_implementation="sdpa")
+    else:
+        tokenizer = synthetic.make_tokenizer()
+        model = synthetic.make_model(tokenizer, hidden=args.hidden, layers=args.layers)
+    if args.dataset:
+        from datasets import load_dataset
+
+        dataset = load_dataset(args.dataset, split=args.split)
+    else:
+        dataset = synthetic.make_dataset(rows=args.steps * args.batch_size // args.num_generations + 8,
+                                         passages=args.passages)
+    return tokenizer, model, dataset
+
+
+def config(args, name: str) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(pathlib.Path(args.out) / name), max_steps=args.steps, learning_rate=5e-4,
+        per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, logging_steps=1, report_to="none", save_strategy="no",
+        bf16=args.bf16, seed=0, temperature=1.0, beta=0.0,
+    )
+
+
+def run(name: str, args, tokenizer, model, dataset) -> list[dict]:
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    trainer = TRAINERS[name](model=model, reward_funcs=synthetic.answer_reward, args=config(args, name),
+                             train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+    generation_seconds = []
+    generate = trainer._generate_and_score_completions
+
+    def timed_generation(batch):  # generation is TRL's in both runs; time it to isolate the actor update
+        start = time.perf_counter()
+        out = generate(batch)
+        generation_seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate_and_score_completions = timed_generation
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log and "step_time" in log]
+    for log, seconds in zip(logs, generation_seconds):
+        log["generation_s"] = seconds
+        log["actor_update_s"] = log["step_time"] - seconds
+    return logs
+
+
+def summarize(results: dict[str, list[dict]], out: pathlib.Path) -> None:
+    rows = []
+    for name, logs in results.items():
+        steady = logs[1:] or logs  # the first step carries one-time warm-up
+        rows.append((name, statistics.median(l["step_time"] for l in steady),
+                     statistics.median(l["actor_update_s"] for l in steady),
+                     statistics.mean(l["reward"] for l in logs[-4:])))
+    print(f"\n{'trainer':<12}{'step s':>10}{'actor update s':>16}{'reward (last 4)':>17}")
+    for name, step, actor, reward in rows:
+        print(f"{name:<12}{step:>10.3f}{actor:>16.3f}{reward:>17.3f}")
+    if len(rows) == 2:
+        print(f"actor update speedup: {rows[0][2] / rows[1][2]:.2f}x")
+    (out / "logs.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "curves.png")
+    print(f"curves: {out / 'curves.png'}")
+
+
+def plot(results: dict[str, list[dict]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, logs in results.items():
+        steps = [l["step"] for l in logs]
+        axes[0].plot(steps, [l["reward"] for l in logs], label=name, marker="o", markersize=3)
+        axes[1].plot(steps, [l["loss"] for l in logs], label=name, marker="o", markersize=3)
+    for ax, title in zip(axes, ("reward", "loss")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict[str, list[dict]]:
+    args = parse_args(argv)
+    tokenizer, model, dataset = load(args)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(TRAINERS) if args.trainer == "both" else [args.trainer]
+    results = {name: run(name, args, tokenizer, copy.deepcopy(model), dataset) for name in names}
+    summarize(results, out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
