@@ -33,12 +33,13 @@ SHAPES = {
 }
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, prefixflow: bool = True) -> torch.nn.Module:
     spec = dict(SHAPES[name])
     config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, **spec)
+    torch.manual_seed(0)  # the same weights on every call
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return hf_prefixflow.apply_prefixflow(model.train())
+    return hf_prefixflow.apply_prefixflow(model.train()) if prefixflow else model.train()
 
 
 def suffix_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -129,18 +129,25 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
         value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     mask = _wave_mask(marker.wave, base, window, query, key.shape[2])
-    if isinstance(mask, CausalBias):
-        query, key, value = _autocast_inputs(query, key, value)
+    if isinstance(mask, CausalBias) and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+        return _bottom_right_sdpa(query, key, value, mask, scaling), None
     return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast to the autocast dtype up front: a CausalBias dispatches before autocast would unify q/k/v dtypes."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) for t in tensors)
+def _bottom_right_sdpa(query, key, value, mask: CausalBias, scaling: float | None) -> torch.Tensor:
+    """SDPA with a bottom-right causal bias and native GQA: the flash kernel, no mask and no repeated K/V.
+
+    (transformers' sdpa wrapper would repeat K/V for any mask.) Inputs are cast to the autocast dtype up front,
+    since a CausalBias dispatches before autocast would unify the q/k/v dtypes.
+    """
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def prefixflow_attention(

@@ -33,7 +33,6 @@ class GroupStats:
     """What one group did, for logging and FLOP accounting."""
 
     prefix_tokens: int
-    suffix_tokens: int = 0
     suffixes: int = 0
     waves: int = 0
 
@@ -144,7 +143,6 @@ class PrefixGroup:
             self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length, self.position_offset
         )
         self.stats.suffixes += suffix_ids.shape[0]
-        self.stats.suffix_tokens += int(wave.segment_ids.ge(0).sum())
         return wave
 
     def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs):
@@ -156,7 +154,6 @@ class PrefixGroup:
         self._check_wave_inputs(suffixes)
         wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length, self.position_offset)
         self.stats.suffixes += len(suffixes)
-        self.stats.suffix_tokens += sum(wave.segment_lengths)
         out = self.run_wave(wave, **model_kwargs)
         return PackedOutput(getattr(out, "logits", None), wave.segment_lengths, out)
 
