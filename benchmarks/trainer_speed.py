@@ -66,7 +66,7 @@ def run(trainer_cls, args, model, dataset, tokenizer) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
-    parser.add_argument("--prefix", type=int, default=3840, help="prompt tokens (about 9 per synthetic passage)")
+    parser.add_argument("--prefix", type=int, default=3840, help="prompt tokens")
     parser.add_argument("--completion", type=int, default=200)
     parser.add_argument("--n", type=int, default=16, help="num_generations")
     parser.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size (a divisor of n)")
@@ -76,7 +76,9 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer = synthetic.make_tokenizer()
-    prompts = synthetic.make_dataset(rows=args.steps + 2, passages=args.prefix // 9)["prompt"]
+    rng = random.Random(0)
+    words = synthetic.TEMPLATE + synthetic.NUMBERS
+    prompts = [" ".join(rng.choice(words) for _ in range(args.prefix)) for _ in range(args.steps + 2)]
     dataset = Dataset.from_dict({"prompt": prompts})
     prefix_tokens = statistics.mean(len(tokenizer(p)["input_ids"]) for p in prompts)
     times, peaks = {}, {}

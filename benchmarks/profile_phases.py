@@ -1,0 +1,86 @@
+"""Where PrefixFlow's time goes on a GPU: CUDA time per phase and the top kernels, next to one baseline sequence.
+
+    python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4 --out benchmarks/results
+
+Prints (and writes to `profile_<model>.txt`): baseline time per sequence; Phase A, per-wave B and Phase C times
+(CUDA events, after a warm-up); then torch.profiler's top CUDA kernels for one baseline sequence and for one group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hf_prefixflow
+from speed import SHAPES, baseline_group, build, suffix_loss
+
+
+def events_time(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def phases(model, prompt, suffixes) -> dict[str, float]:
+    times = {"A": 0.0, "B": 0.0, "C": 0.0}
+    scope = hf_prefixflow.prefix_group(model, prompt)
+    group = None
+
+    def enter():
+        nonlocal group
+        group = scope.__enter__()
+
+    times["A"] = events_time(enter)
+    for suffix in suffixes:
+        times["B"] += events_time(lambda: suffix_loss(group(suffix[None]).logits, suffix[None]).backward())
+    times["C"] = events_time(lambda: scope.__exit__(None, None, None))
+    return times
+
+
+def top_kernels(fn, rows: int) -> str:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--prefix", type=int, default=10240)
+    parser.add_argument("--suffix", type=int, default=2048)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=22)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    model = build(args.model)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.prefix,), device="cuda")
+    suffixes = list(torch.randint(0, vocab, (args.n, args.suffix), device="cuda"))
+    for _ in range(2):  # warm-up: allocator, cuBLAS handles, kernel selection
+        baseline_group(model, prompt, suffixes[:1])
+        phases(model, prompt, suffixes)
+    per_sequence = events_time(lambda: baseline_group(model, prompt, suffixes[:1]))
+    split = phases(model, prompt, suffixes)
+    lines = [f"{args.model} P={args.prefix} S={args.suffix} N={args.n}",
+             f"baseline per sequence: {per_sequence:.3f} s  (group of N: {per_sequence * args.n:.3f} s)",
+             f"PrefixFlow: A {split['A']:.3f} s, B {split['B']:.3f} s ({split['B'] / args.n:.3f} s per wave), "
+             f"C {split['C']:.3f} s, total {sum(split.values()):.3f} s", "",
+             "== baseline, one sequence ==", top_kernels(lambda: baseline_group(model, prompt, suffixes[:1]), args.rows),
+             "== PrefixFlow, one group ==", top_kernels(lambda: phases(model, prompt, suffixes), args.rows)]
+    text = "\n".join(lines)
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_{args.model}.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
