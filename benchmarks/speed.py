@@ -76,6 +76,20 @@ def timed(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
+def write(rows: list[dict], args) -> None:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}`"
+             f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
+             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
+              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.0%} | {r['baseline_peak_gib']:.1f} / "
+              f"{r['prefixflow_peak_gib']:.1f} |" for r in rows]
+    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
@@ -110,19 +124,7 @@ def main() -> None:
                    "transformers": transformers.__version__, "date": datetime.date.today().isoformat()}
             rows.append(row)
             print(json.dumps(row), flush=True)
-
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}`"
-             f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
-             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
-              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.0%} | {r['baseline_peak_gib']:.1f} / "
-              f"{r['prefixflow_peak_gib']:.1f} |" for r in rows]
-    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write(rows, args)  # after every row, so a run cut short keeps what it measured
 
 
 if __name__ == "__main__":
