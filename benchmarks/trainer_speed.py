@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="trainer_speed")
     args = parser.parse_args()
 
     tokenizer = synthetic.make_tokenizer()
@@ -99,7 +100,7 @@ def main() -> None:
     print(json.dumps(row))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_speed.json").write_text(json.dumps([row], indent=1))
+    (out / f"{args.tag}.json").write_text(json.dumps([row], indent=1))
 
 
 if __name__ == "__main__":
