@@ -1,0 +1,96 @@
+"""Phase-B attention kernels on a GPU: which way of attending a suffix wave to `[prefix ; suffix]` is fastest.
+
+    python benchmarks/attention_kernels.py --prefix 10240 --suffix 2048 --out benchmarks/results
+
+Times forward + backward (CUDA events, median of 10 after warm-up) of one layer's attention, Qwen3-1.7B heads
+(16 query / 8 KV heads, head dim 128), bf16:
+- `flash bottom-right`: SDPA with a lower-right CausalBias (PyTorch's FA2 kernel), what Phase B runs today;
+- `cudnn + bool mask`: SDPA restricted to cuDNN with the materialized visibility mask;
+- `cudnn split (no merge)`: the two halves a log-sum-exp split would run, prefix non-causal + suffix causal;
+- `cudnn square causal`: the baseline's kernel on the full `[P || S]` sequence, for its FLOP rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+
+def timed(fn, repeats: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix", type=int, default=10240)
+    parser.add_argument("--suffix", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    p, s, h, hk, d = args.prefix, args.suffix, args.heads, args.kv_heads, args.dim
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = make(1, h, s, d), make(1, hk, p + s, d), make(1, hk, p + s, d)
+    kr, vr = (x.detach().repeat_interleave(h // hk, dim=1).requires_grad_() for x in (k, v))
+    grad = torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(s, p + s, dtype=torch.bool, device="cuda").tril(p)
+
+    def run(fn):
+        return lambda: fn().backward(grad)
+
+    cases = {
+        "flash bottom-right": run(lambda: F.scaled_dot_product_attention(
+            q, kr, vr, attn_mask=causal_lower_right(s, p + s))),
+        "cudnn + bool mask": run(lambda: _cudnn(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask))),
+        "cudnn split (no merge)": lambda: (
+            _cudnn(lambda: F.scaled_dot_product_attention(q, kr[:, :, :p], vr[:, :, :p])).backward(grad),
+            _cudnn(lambda: F.scaled_dot_product_attention(q, kr[:, :, p:], vr[:, :, p:], is_causal=True)).backward(grad)),
+    }
+    full_q = make(1, h, p + s, d)
+    full_grad = torch.randn_like(full_q)
+    cases["cudnn square causal"] = lambda: _cudnn(
+        lambda: F.scaled_dot_product_attention(full_q, kr, vr, is_causal=True)).backward(full_grad)
+
+    flops_wave = 4 * 2.5 * h * d * s * (p + s / 2) + 4 * h * d * s * (p + s / 2)  # fwd + 2.5x bwd
+    flops_full = (4 + 10) * h * d * (p + s) ** 2 / 2
+    rows = []
+    for name, fn in cases.items():
+        try:
+            ms = timed(fn)
+            flops = flops_full if "square" in name else flops_wave
+            rows.append({"case": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
+        except Exception as exc:  # a kernel that cannot run this case is a result too
+            rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"P": p, "S": s, "heads": h, "kv_heads": hk, "dim": d, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__}
+    (out / "attention_kernels.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+
+
+def _cudnn(fn):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return fn()
+
+
+if __name__ == "__main__":
+    main()
