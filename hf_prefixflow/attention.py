@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
+from .moe import ROUTES_KWARG, publish
 
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
@@ -163,6 +164,7 @@ def prefixflow_attention(
     """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one."""
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
+    publish(module.layer_idx, kwargs.pop(ROUTES_KWARG, None))  # for this layer's MoE router, which runs next
     marker = kwargs.pop(PASS_KWARG, None)
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

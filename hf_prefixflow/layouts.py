@@ -31,6 +31,7 @@ class Wave:
     packed: bool
     position_offset: int = 0  # position of the first prefix token (left padding in the stock trainer)
     segment_lengths: list[int] = field(default_factory=list)  # packed layout: tokens per suffix
+    routes: torch.Tensor | None = None  # MoE routing replay: [layers, B, S, k] aligned with input_ids
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -7,7 +7,7 @@ import functools
 import torch
 from transformers import PreTrainedModel
 
-from . import attention
+from . import attention, moe
 from .errors import PrefixFlowError
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -60,7 +60,8 @@ def apply_prefixflow(model: torch.nn.Module) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
 
     Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
-    the implementation the model had (`sdpa`, `eager` or `flex_attention`).
+    the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
+    accept recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
     """
     inner = unwrap(model)
     current = inner.config._attn_implementation
@@ -72,4 +73,5 @@ def apply_prefixflow(model: torch.nn.Module) -> torch.nn.Module:
             )
         _check_rope(inner)
         inner.set_attn_implementation(attention.wrapped_name(current))
+    moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
     return model

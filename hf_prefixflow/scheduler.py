@@ -24,6 +24,7 @@ from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, decoder_of, unwrap
+from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -52,13 +53,17 @@ class PackedOutput:
 class PrefixGroup:
     """One shared prefix: its training-time KV cache and the suffix waves that read it."""
 
-    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0):
+    def __init__(
+        self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0,
+        routes: torch.Tensor | None = None,
+    ):
         self.model = model
         self._inner = unwrap(model)
         if not is_wrapped(self._inner.config._attn_implementation):
             raise PrefixFlowError("call hf_prefixflow.apply_prefixflow(model) before opening a prefix group.")
         self.prefix_ids = self._check_prefix(prefix_ids)
         self.position_offset = int(position_offset)
+        self.routes = self._check_routes(routes)
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1)
         self.stats = GroupStats(prefix_tokens=self.prefix_ids.shape[1])
         self.state = "new"  # -> "open" -> "closed"
@@ -78,6 +83,32 @@ class PrefixGroup:
         self._check_device(ids, "prefix_ids")
         return ids.long()
 
+    def _check_routes(self, routes: torch.Tensor | None) -> torch.Tensor | None:
+        """The prefix's recorded MoE routes `[layers, P, k]`, shared by every suffix of the group."""
+        if routes is None:
+            return None
+        if routes.dim() != 3 or routes.shape[1] != self.prefix_ids.shape[1]:
+            raise PrefixFlowError(
+                f"prefix routes must be [layers, P={self.prefix_ids.shape[1]}, k], got {tuple(routes.shape)}."
+            )
+        check_routes(self._inner, routes)
+        return routes.to(self.prefix_ids.device)
+
+    def _suffix_routes(self, routes, count: int) -> list[torch.Tensor] | None:
+        if (routes is None) != (self.routes is None):
+            raise PrefixFlowError(
+                "routing replay data is missing: pass routes for the prefix and for every wave, or for none. "
+                "A router never re-routes silently."
+            )
+        if routes is None:
+            return None
+        routes = list(routes.unbind(1)) if isinstance(routes, torch.Tensor) else list(routes)
+        if len(routes) != count:
+            raise PrefixFlowError(f"got routes for {len(routes)} suffixes but the wave has {count}.")
+        for suffix_routes in routes:
+            check_routes(self._inner, suffix_routes)
+        return wave_routes(self.routes, routes)
+
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         device = self._inner.get_input_embeddings().weight.device
         if tensor.device != device:
@@ -94,15 +125,19 @@ class PrefixGroup:
         self.trains = torch.is_grad_enabled()
         if self.trains:
             check_checkpointing(self.model)
+            if self.routes is not None:
+                check_replay_supported(self._inner)
         cached = self.cache.prefix_length
         if cached == 0:
             return
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
+        replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         out = decoder_of(self.model)(
             input_ids=self.prefix_ids[:, :-1],
             position_ids=positions,
             use_cache=False,
             **{PASS_KWARG: PrefixPass(self.cache)},
+            **replay,
         )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
@@ -123,11 +158,13 @@ class PrefixGroup:
 
     def run_wave(self, wave: Wave, **model_kwargs):
         """Forward one prepared wave through the model (kwargs such as TRL's `shift_labels` pass through)."""
-        reserved = {"position_ids", "attention_mask", "past_key_values", "cache", "input_ids", PASS_KWARG}
+        reserved = {"position_ids", "attention_mask", "past_key_values", "cache", "input_ids", PASS_KWARG, ROUTES_KWARG}
         clash = reserved & model_kwargs.keys()
         if clash:
             raise PrefixFlowError(f"{sorted(clash)} are set by the prefix group; do not pass them to a wave.")
         self.stats.waves += 1
+        if wave.routes is not None:
+            model_kwargs[ROUTES_KWARG] = wave.routes
         return self.model(
             input_ids=wave.input_ids,
             position_ids=wave.position_ids,
@@ -136,23 +173,33 @@ class PrefixGroup:
             **model_kwargs,
         )
 
-    def padded_wave(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Wave:
-        """Lay out right-padded `suffix_ids [B, S]` as a wave of this group (see `layouts.padded_wave`)."""
+    def padded_wave(
+        self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: torch.Tensor | None = None
+    ) -> Wave:
+        """Lay out right-padded `suffix_ids [B, S]` as a wave of this group (see `layouts.padded_wave`); MoE
+        `routes [layers, B, S, k]` replay each suffix token's recorded experts."""
         self._check_wave_inputs([suffix_ids, attention_mask])
         wave = padded_wave(
             self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length, self.position_offset
         )
+        per_row = self._suffix_routes(routes, suffix_ids.shape[0])
+        if per_row is not None:
+            wave.routes = torch.stack(per_row, dim=1)
         self.stats.suffixes += suffix_ids.shape[0]
         return wave
 
-    def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **model_kwargs):
+    def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes=None, **model_kwargs):
         """A padded wave: right-padded `suffix_ids [B, S]`; `logits[:, t]` predicts `suffix_ids[:, t]`."""
-        return self.run_wave(self.padded_wave(suffix_ids, attention_mask), **model_kwargs)
+        return self.run_wave(self.padded_wave(suffix_ids, attention_mask, routes), **model_kwargs)
 
-    def packed(self, suffixes: list[torch.Tensor], **model_kwargs) -> PackedOutput:
-        """A packed wave: the suffixes laid end to end in one row; `split()` the outputs back per suffix."""
+    def packed(self, suffixes: list[torch.Tensor], routes: list[torch.Tensor] | None = None, **model_kwargs):
+        """A packed wave: the suffixes laid end to end in one row; `split()` the outputs back per suffix. MoE
+        `routes`: one `[layers, L_i, k]` per suffix."""
         self._check_wave_inputs(suffixes)
         wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length, self.position_offset)
+        per_suffix = self._suffix_routes(routes, len(suffixes))
+        if per_suffix is not None:
+            wave.routes = torch.cat(per_suffix, dim=1)[:, None]
         self.stats.suffixes += len(suffixes)
         out = self.run_wave(wave, **model_kwargs)
         return PackedOutput(getattr(out, "logits", None), wave.segment_lengths, out)
@@ -192,9 +239,9 @@ class GroupSession:
         self._entered = True
         return self
 
-    def open(self, prefix_ids: torch.Tensor, position_offset: int = 0) -> PrefixGroup:
+    def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None) -> PrefixGroup:
         """Phase A for one more prefix; returns its group."""
-        return self.add(PrefixGroup(self.model, prefix_ids, position_offset))
+        return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes))
 
     def add(self, group: PrefixGroup) -> PrefixGroup:
         """Phase A for a group built beforehand (validated at construction)."""
@@ -232,8 +279,8 @@ class GroupSession:
 class _SingleGroup:
     """What `prefix_group` returns: a session holding exactly one group, entered once."""
 
-    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int):
-        self.group = PrefixGroup(model, prefix_ids, position_offset)  # validates now, before any `with`
+    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int, routes):
+        self.group = PrefixGroup(model, prefix_ids, position_offset, routes)  # validates now, before any `with`
         self.session = GroupSession(model)
 
     def __enter__(self) -> PrefixGroup:
@@ -248,9 +295,12 @@ class _SingleGroup:
         self.session.__exit__(exc_type, exc, tb)
 
 
-def prefix_group(model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0) -> _SingleGroup:
+def prefix_group(
+    model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None
+) -> _SingleGroup:
     """Open one group over a shared prefix (`[P]` or `[1, P]`) as a context manager; it yields the `PrefixGroup`.
 
     `position_offset` is the position of the prefix's first token (0 unless the stock path left-pads prompts).
+    `routes` (MoE models) is the prefix's recorded routing `[layers, P, k]`, replayed in Phases A and C.
     """
-    return _SingleGroup(model, prefix_ids, position_offset)
+    return _SingleGroup(model, prefix_ids, position_offset, routes)

@@ -15,6 +15,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -67,6 +69,12 @@ FAMILIES = {
         Qwen3MoeForCausalLM,
         Qwen3MoeConfig,
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1},
+        "sdpa",
+    ),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0},
         "sdpa",
     ),
     "smollm3": (
