@@ -7,7 +7,7 @@ import random
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
@@ -28,6 +28,20 @@ def make_model(seed: int = 0, dtype=torch.float32, **overrides) -> Qwen3ForCausa
                          tie_word_embeddings=False, **overrides)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def make_moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                            pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:

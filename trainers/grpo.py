@@ -18,10 +18,11 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow
+from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow, moe
 from hf_prefixflow.flops import ModelShape
 from hf_prefixflow.model import unwrap
 
+from . import routing
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,13 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=1.05, metadata={"help": "groups whose FLOP bound is below this train on the plain path (logged)"})
     prefixflow_scoring: bool = field(
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
+    prefixflow_routing_replay: bool = field(
+        default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
 
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
-            for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring")}
+            for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
+                         "prefixflow_routing_replay")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -63,6 +67,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._session: GroupSession | None = None
         self._open: dict[tuple, object] = {}
         self._fallbacks: Counter = Counter()
+        self._replay = self.prefixflow_routing_replay and bool(moe.routers(unwrap(self.model)))
+        self._routes: torch.Tensor | None = None  # routes of the rows being scored or trained
+        if self._replay:
+            self._check_replay_supported()
 
     def _check_supported(self) -> None:
         check_geometry(self.args.per_device_train_batch_size, self.num_generations)
@@ -77,6 +85,61 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 "reentrant activation checkpointing detaches the prefix K/V from the prefix graph. Set "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's default)."
             )
+
+    def _check_replay_supported(self) -> None:
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            raise PrefixFlowError(
+                "MoE routing replay records routes in TRL's transformers generation path; vLLM and continuous "
+                "batching do not expose them. Set use_vllm=False, or prefixflow_routing_replay=False to let training "
+                "route afresh as GRPOTrainer does."
+            )
+        if self.tools or self.environment_factories is not None or getattr(self, "rollout_func", None) is not None:
+            raise PrefixFlowError("MoE routing replay does not support tool calls or custom rollouts yet; set "
+                                  "prefixflow_routing_replay=False.")
+        moe.check_replay_supported(unwrap(self.model))
+
+    # -- MoE routing replay: record during generation, carry with the batch -----------------------------------
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not self._replay:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        with moe.record_routing() as recorder:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
+        config = unwrap(self.model).config.get_text_config()
+        prefill = next(iter(recorder.calls.values()))[0]  # the first call runs the left-padded prompts
+        prompt_width = prefill.shape[0] // len(prompt_ids)
+        self._routes = routing.assemble(recorder, len(prompt_ids), prompt_width,
+                                        max(len(c) for c in completion_ids), config.num_hidden_layers,
+                                        num_generations, config.num_experts_per_tok)
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)  # scoring passes inside use self._routes
+        if self._replay:
+            width = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+            if self._routes is None or self._routes.shape[0] != batch["prompt_ids"].shape[0] \
+                    or self._routes.shape[2] != width:
+                raise PrefixFlowError("the recorded routes do not match the generated batch; replay cannot proceed.")
+            batch[routing.BATCH_KEY] = self._routes
+        self._routes = None
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        self._routes = inputs.get(routing.BATCH_KEY)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._routes = None
+
+    def _rows_routes(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if not self._replay:
+            return None
+        routes = self._routes
+        if routes is None or routes.shape[0] != input_ids.shape[0] or routes.shape[2] != input_ids.shape[1]:
+            raise PrefixFlowError("MoE routing replay data is missing for this forward; refusing to re-route.")
+        return routes.to(input_ids.device)
 
     # -- data flow: whole groups ------------------------------------------------------------------------------
 
@@ -95,9 +158,16 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
-        plain = lambda rows: super(PrefixFlowGRPOTrainer, self)._get_per_token_logps_and_entropies(  # noqa: E731
-            model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size, compute_entropy,
-            compute_aux_loss, **extra)
+        routes = self._rows_routes(input_ids)
+
+        def plain(rows):
+            if routes is not None:
+                return routing.plain_logps(self, model, input_ids[rows], attention_mask[rows], logits_to_keep,
+                                           routes[rows], compute_entropy, compute_aux_loss)
+            return super(PrefixFlowGRPOTrainer, self)._get_per_token_logps_and_entropies(
+                model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **extra)
+
         training = torch.is_grad_enabled()
         reason = self._plain_path_reason(compute_aux_loss, extra, training)
         if reason:
@@ -106,7 +176,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
         groups = find_groups(input_ids, attention_mask, logits_to_keep)
         shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:])
+        width = input_ids.shape[1] - logits_to_keep
         completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
+        suffix_routes = None if routes is None else routes[:, :, width:]
         pieces: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
         start = time.perf_counter()
         if fallback:
@@ -114,12 +186,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             logps, entropies, _ = plain(fallback)
             pieces.append((fallback, logps, entropies))
         if shared:
+            waves = (completions, completion_mask, suffix_routes, compute_entropy)
             if training:
-                pieces += self._training_waves(model, shared, completions, completion_mask, compute_entropy)
+                pieces += self._training_waves(model, shared, routes, width, waves)
             else:
                 with GroupSession(model) as session:
-                    pieces += [self._wave(self._open_group(session, g), g.rows, completions, completion_mask,
-                                          compute_entropy) for g in shared]
+                    pieces += [self._wave(self._open_group(session, g, routes, width), g.rows, *waves) for g in shared]
         self._log_groups(shared, completion_mask, training, time.perf_counter() - start)
         order = torch.tensor([r for rows, _, _ in pieces for r in rows], device=input_ids.device)
         inverse = torch.empty_like(order)
@@ -130,6 +202,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _plain_path_reason(self, compute_aux_loss: bool, extra: dict, training: bool) -> str | None:
         if any(extra.get(key) is not None for key in MULTIMODAL_KEYS):
+            if self._replay:
+                raise PrefixFlowError("MoE routing replay with multimodal inputs is not supported; set "
+                                      "prefixflow_routing_replay=False.")
             return "multimodal inputs"
         if compute_aux_loss:
             return "router auxiliary loss"
@@ -149,36 +224,40 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 fallback += group.rows
         return shared, fallback
 
-    def _open_group(self, session: GroupSession, group: BatchGroup):
+    def _open_group(self, session: GroupSession, group: BatchGroup, routes: torch.Tensor | None, width: int):
+        prefix_routes = None if routes is None else routes[group.rows[0], :, group.position_offset : width].long()
         with self.accelerator.autocast():  # Phase A under the same autocast as the waves, as in TRL's forward
-            return session.open(group.prefix_ids, group.position_offset)
+            return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes)
 
-    def _wave(self, group, rows, completions, completion_mask, compute_entropy):
+    def _wave(self, group, rows, completions, completion_mask, suffix_routes, compute_entropy):
         """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
         ids, mask = completions[rows], completion_mask[rows]
         labels = ids.masked_fill(mask == 0, -100)
+        routes = None if suffix_routes is None else suffix_routes[rows].transpose(0, 1).long()
         with self.accelerator.autocast():
             if self.prefixflow_layout == "packed":
                 real = mask.sum(dim=1).clamp(min=1).tolist()
                 suffixes = [row[:n] for row, n in zip(ids, real)]
-                out = group.packed(suffixes, shift_labels=_pack(labels, real), fused_lm_head=True).raw
+                per_suffix = None if routes is None else [routes[:, i, :n] for i, n in enumerate(real)]
+                out = group.packed(suffixes, routes=per_suffix, shift_labels=_pack(labels, real),
+                                   fused_lm_head=True).raw
                 logps, entropy = _unpack(out.log_probs, real, ids.shape[1]), _unpack(out.entropy, real, ids.shape[1])
             else:
-                out = group(ids, attention_mask=mask, shift_labels=labels, fused_lm_head=True)
+                out = group(ids, attention_mask=mask, routes=routes, shift_labels=labels, fused_lm_head=True)
                 logps, entropy = out.log_probs, out.entropy
         return rows, logps, (entropy if compute_entropy else None)
 
     # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
 
-    def _training_waves(self, model, groups, completions, completion_mask, compute_entropy):
+    def _training_waves(self, model, groups, routes, width, waves):
         if self._session is None:
             self._session = GroupSession(model).__enter__()
         pieces = []
         for g in groups:
             group = self._open.get(g.key)
             if group is None:
-                group = self._open[g.key] = self._open_group(self._session, g)
-            pieces.append(self._wave(group, g.rows, completions, completion_mask, compute_entropy))
+                group = self._open[g.key] = self._open_group(self._session, g, routes, width)
+            pieces.append(self._wave(group, g.rows, *waves))
         return pieces
 
     def training_step(self, model, inputs, num_items_in_batch):

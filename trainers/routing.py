@@ -1,0 +1,45 @@
+"""Rollout routing replay for TRL batches: record routes during generation, align them with the batch, replay them.
+
+Routes ride in the batch as `prefixflow_routes`, an int16 tensor `[B, layers, prompt width + completion width, k]`
+laid out like `cat(prompt_ids, completion_ids)`, so TRL's shuffles and splits carry them with their rows. Every
+completion of a prompt replays the prompt routes of the group's first rollout: one prefix mask per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.moe import ROUTES_KWARG, RoutingRecorder
+
+BATCH_KEY = "prefixflow_routes"
+
+
+def assemble(recorder: RoutingRecorder, rows: int, prompt_width: int, completion_width: int, num_layers: int,
+             group_size: int, top_k: int) -> torch.Tensor:
+    """Align transformers `generate`'s recording (one prefill call over left-padded prompts, then one call per decoded
+    token) with the `[prompt | completion]` layout of the batch TRL builds from it."""
+    recorded = recorder.routes(rows, num_layers).transpose(0, 1)  # [B, layers, prefill + decode steps, k]
+    if recorded.shape[2] < prompt_width:
+        raise PrefixFlowError("the recorded routing is shorter than the prompts; was generation interrupted?")
+    routes = torch.arange(top_k, device=recorded.device).expand(rows, num_layers, prompt_width + completion_width, -1)
+    routes = routes.clone()
+    # A completion's last token never runs through the model during generation; its route cannot change the loss
+    # (its own output predicts nothing), so it keeps the placeholder experts 0..k-1.
+    length = min(recorded.shape[2], prompt_width + completion_width)
+    routes[:, :, :length] = recorded[:, :, :length]
+    leaders = torch.arange(rows, device=routes.device) // group_size * group_size
+    routes[:, :, :prompt_width] = routes[leaders, :, :prompt_width]
+    return routes.to(torch.int16)
+
+
+def plain_logps(trainer, model, input_ids, attention_mask, logits_to_keep, routes, compute_entropy, compute_aux_loss):
+    """TRL's text-only log-prob forward (fused LM head, completion labels) with the rows' routes replayed."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    extra = {"output_router_logits": True} if compute_aux_loss else {}
+    with trainer.accelerator.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                    **{ROUTES_KWARG: routes.transpose(0, 1).long()}, **extra)
+    entropy = out.entropy[:, -logits_to_keep:] if compute_entropy else None
+    return out.log_probs[:, -logits_to_keep:], entropy, (out.aux_loss if compute_aux_loss else None)
