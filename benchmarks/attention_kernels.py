@@ -15,26 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-
-def timed(fn, repeats: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from timing import median_seconds
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
     rows = []
     for name, fn in cases.items():
         try:
-            ms = timed(fn)
+            ms = median_seconds(fn, repeats=10, warmup=3) * 1000
             flops = flops_full if "square" in name else flops_wave
             rows.append({"case": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
         except Exception as exc:  # a kernel that cannot run this case is a result too

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 
 import torch
 import transformers
@@ -23,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow.flops import ModelShape
+from timing import median_seconds
 
 SHAPES = {
     "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -62,18 +62,8 @@ def prefixflow_group(model, prompt, suffixes, wave: int) -> None:
 
 def timed(fn, repeats: int) -> tuple[float, float]:
     """Median seconds over `repeats` runs after one warm-up, and the peak allocated GiB."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    seconds = median_seconds(fn, repeats, warmup=1, after_warmup=torch.cuda.reset_peak_memory_stats)
+    return seconds, torch.cuda.max_memory_allocated() / 2**30
 
 
 def write(rows: list[dict], args) -> None:
