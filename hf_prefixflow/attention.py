@@ -6,6 +6,7 @@ checkpointing binds them, so a recompute sees the same marker):
 - `PrefixPass` (Phase A): plain causal attention through `X`, plus an idempotent capture of the post-RoPE K/V.
 - `SuffixPass` (Phase B): suffix queries attend to `[cached prefix K/V ; suffix K/V]` under the wave's visibility
   mask, expressed in the form `X` takes (bottom-right causal bias, boolean or additive mask, or a flex BlockMask).
+Every call also hands this layer's MoE routes, if the forward carries any, to the router that runs next.
 """
 
 from __future__ import annotations
