@@ -33,9 +33,10 @@ PASS_KWARG = "prefixflow_pass"
 
 @dataclass(frozen=True, eq=False)
 class PrefixPass:
-    """Phase A marker: capture each layer's K/V into `cache`."""
+    """Phase A marker: capture each layer's K/V (and, if asked, MoE router logits) into `cache`."""
 
     cache: TrainingKVCache
+    collect_router_logits: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,8 +166,8 @@ def prefixflow_attention(
     """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one."""
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
-    publish(module.layer_idx, kwargs.pop(ROUTES_KWARG, None))  # for this layer's MoE router, which runs next
     marker = kwargs.pop(PASS_KWARG, None)
+    publish(module.layer_idx, kwargs.pop(ROUTES_KWARG, None), _router_sink(marker))  # for this layer's MoE router
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _check_call(module, dropout, kwargs)
@@ -174,6 +175,14 @@ def prefixflow_attention(
         marker.cache.capture(module.layer_idx, key, value)
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _suffix_attention(module, query, key, value, marker, base, base_fn, dropout, scaling, kwargs)
+
+
+def _router_sink(marker) -> Callable | None:
+    if isinstance(marker, PrefixPass) and marker.collect_router_logits:
+        return marker.cache.capture_router
+    if isinstance(marker, SuffixPass) and marker.wave.router_logits is not None:
+        return marker.wave.router_logits.__setitem__  # a checkpoint recompute overwrites with equal values
+    return None
 
 
 def _mask_for(base: str) -> Callable:

@@ -53,18 +53,26 @@ class TrainingKVCache:
     def __init__(self, prefix_length: int):
         self.prefix_length = prefix_length
         self.layers: dict[int, LayerKV] = {}
+        self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
 
     def capture(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Record a layer's live prefix K/V. Idempotent: a checkpoint recompute in Phase C must not replace them."""
         if layer_idx not in self.layers:
             self.layers[layer_idx] = LayerKV(CachedTensor(key), CachedTensor(value))
 
+    def capture_router(self, layer_idx: int, logits: torch.Tensor) -> None:
+        """Record a layer's live prefix router logits (idempotent, like `capture`): the load-balancing loss reads
+        their leaf in each microbatch and Phase C carries its gradient into the prefix graph."""
+        if layer_idx not in self.router_logits:
+            self.router_logits[layer_idx] = CachedTensor(logits)
+
     def leaves(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         entry = self.layers.get(layer_idx)
         return None if entry is None else (entry.key.leaf, entry.value.leaf)
 
     def tensors(self) -> list[CachedTensor]:
-        return [t for entry in self.layers.values() for t in (entry.key, entry.value)]
+        kv = [t for entry in self.layers.values() for t in (entry.key, entry.value)]
+        return kv + list(self.router_logits.values())
 
     def needs_gradients(self) -> bool:
         """Whether any cached K/V leads back to a trainable parameter."""
@@ -82,6 +90,7 @@ class TrainingKVCache:
         for tensor in self.tensors():
             tensor.release()
         self.layers.clear()
+        self.router_logits.clear()
 
 
 def delayed_backward(caches: list[TrainingKVCache]) -> int:

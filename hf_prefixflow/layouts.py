@@ -32,6 +32,7 @@ class Wave:
     position_offset: int = 0  # position of the first prefix token (left padding in the stock trainer)
     segment_lengths: list[int] = field(default_factory=list)  # packed layout: tokens per suffix
     routes: torch.Tensor | None = None  # MoE routing replay: [layers, B, S, k] aligned with input_ids
+    router_logits: dict | None = None  # MoE: filled with each layer's router logits [B*S, E] when requested
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -6,7 +6,7 @@ gate weights still come from the router's fresh logits (softmax, gather at the r
 the model does), so the router keeps its gradient and expert choice no longer depends on batch composition.
 
 Routes travel as a model kwarg, `prefixflow_routes`, a LongTensor `[num_layers, B, T, k]` aligned with the forward's
-tokens. The PrefixFlow attention function publishes its layer's slice just before that layer's MoE block runs;
+tokens; -1 marks a token generation never ran (a completion's last token), which the router then routes itself. The PrefixFlow attention function publishes its layer's slice just before that layer's MoE block runs;
 the router consumes it. Activation checkpointing recomputes attention before the MLP too, so recompute replays.
 """
 
@@ -39,7 +39,7 @@ ADAPTERS: dict[str, RouterAdapter] = {
     "MixtralTopKRouter": RouterAdapter(lambda r: True, scores_in_logit_dtype=False, jitter_attribute="jitter_noise"),
 }
 
-_published: dict[int, torch.Tensor | None] = {}  # layer -> routes for the router about to run
+_published: dict[int, tuple] = {}  # layer -> (routes or None, logits sink or None) for the router about to run
 _recorders: list["RoutingRecorder"] = []
 
 
@@ -48,9 +48,11 @@ def register_router(class_name: str, adapter: RouterAdapter) -> None:
     ADAPTERS[class_name] = adapter
 
 
-def publish(layer_idx: int, routes: torch.Tensor | None) -> None:
-    """Called by the attention function of `layer_idx`: the routes (or None) its MoE block must use next."""
-    _published[layer_idx] = None if routes is None else routes[layer_idx].reshape(-1, routes.shape[-1])
+def publish(layer_idx: int, routes: torch.Tensor | None, sink: Callable | None = None) -> None:
+    """Called by the attention function of `layer_idx`: the routes (or None) its MoE block must use next, and
+    where to hand that block's router logits (`sink(layer_idx, logits)`, for the load-balancing loss)."""
+    flat = None if routes is None else routes[layer_idx].reshape(-1, routes.shape[-1])
+    _published[layer_idx] = (flat, sink)
 
 
 def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch.Tensor):
@@ -64,22 +66,27 @@ def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch
         raise PrefixFlowError(f"routing replay data must hold {router.top_k} expert indices per token.")
     logits = F.linear(hidden, router.weight)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    scores = probs.gather(-1, indices.to(logits.device))
+    indices = indices.to(logits.device)
+    indices = torch.where(indices < 0, torch.topk(probs, router.top_k, dim=-1).indices, indices)  # -1: not recorded
+    scores = probs.gather(-1, indices)
     if adapter.normalize(router):
         scores = scores / scores.sum(dim=-1, keepdim=True)
     if adapter.scores_in_logit_dtype:
         scores = scores.to(logits.dtype)
-    return logits, scores, indices.to(logits.device)
+    return logits, scores, indices
 
 
 def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
     # A module-level hook that receives the router: deep copies of the model (reference models) keep working.
-    routes = _published.pop(router._prefixflow_layer, None)
+    routes, sink = _published.pop(router._prefixflow_layer, (None, None))
     if routes is not None:
-        return _replay(router, ADAPTERS[type(router).__name__], args[0], routes)
-    for recorder in _recorders:
-        recorder.add(router._prefixflow_layer, output[2])
-    return None
+        output = _replay(router, ADAPTERS[type(router).__name__], args[0], routes)
+    else:
+        for recorder in _recorders:
+            recorder.add(router._prefixflow_layer, output[2])
+    if sink is not None:
+        sink(router._prefixflow_layer, output[0])
+    return output
 
 
 def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, RouterAdapter]]:
@@ -128,8 +135,29 @@ def check_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
     if not found:
         raise PrefixFlowError("routes were given but the model has no supported MoE router (see moe.ADAPTERS).")
     experts = found[0][1].weight.shape[0]
-    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= experts):
-        raise PrefixFlowError(f"routing replay data names experts outside 0..{experts - 1}.")
+    if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= experts):
+        raise PrefixFlowError(f"routing replay data names experts outside 0..{experts - 1} (-1: not recorded).")
+
+
+def load_balancing_loss(parts: list[tuple[dict[int, torch.Tensor], torch.Tensor]], num_experts: int,
+                        top_k: int) -> torch.Tensor:
+    """transformers' Switch load-balancing loss (`load_balancing_loss_func`) over weighted token sets.
+
+    `parts` holds (router logits per layer `[T, E]`, token weights `[T]`). A prefix computed once for n rows enters
+    with weight n, exactly as its n copies enter the full-sequence batch; the expert counts come from the logits'
+    own top-k, as in transformers, not from replayed routes.
+    """
+    tokens = probs_sum = rows = 0.0
+    for per_layer, weights in parts:
+        weights = weights.float()
+        for logits in per_layer.values():
+            probs = torch.softmax(logits, dim=-1)
+            chosen = torch.topk(probs, top_k, dim=-1).indices
+            counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+            tokens = tokens + counts.scatter_add_(0, chosen.reshape(-1), weights.repeat_interleave(top_k))
+            probs_sum = probs_sum + (probs.float() * weights[:, None]).sum(dim=0)
+            rows = rows + weights.sum()
+    return torch.sum((tokens / rows) * (probs_sum / rows)) * num_experts
 
 
 def wave_routes(prefix_routes: torch.Tensor, suffix_routes: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -55,9 +55,10 @@ class PrefixGroup:
 
     def __init__(
         self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0,
-        routes: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None, collect_router_logits: bool = False,
     ):
         self.model = model
+        self.collect_router_logits = collect_router_logits
         self._inner = unwrap(model)
         if not is_wrapped(self._inner.config._attn_implementation):
             raise PrefixFlowError("call hf_prefixflow.apply_prefixflow(model) before opening a prefix group.")
@@ -136,7 +137,7 @@ class PrefixGroup:
             input_ids=self.prefix_ids[:, :-1],
             position_ids=positions,
             use_cache=False,
-            **{PASS_KWARG: PrefixPass(self.cache)},
+            **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)},
             **replay,
         )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -239,9 +240,11 @@ class GroupSession:
         self._entered = True
         return self
 
-    def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None) -> PrefixGroup:
-        """Phase A for one more prefix; returns its group."""
-        return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes))
+    def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
+             collect_router_logits: bool = False) -> PrefixGroup:
+        """Phase A for one more prefix; returns its group. `collect_router_logits` keeps the prefix's MoE router
+        logits as cached leaves (`group.cache.router_logits`) for a load-balancing loss."""
+        return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes, collect_router_logits))
 
     def add(self, group: PrefixGroup) -> PrefixGroup:
         """Phase A for a group built beforehand (validated at construction)."""

@@ -169,13 +169,17 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 compute_aux_loss, **extra)
 
         training = torch.is_grad_enabled()
-        reason = self._plain_path_reason(compute_aux_loss, extra, training)
+        reason = self._plain_path_reason(extra, training)
         if reason:
             self._count_fallback(reason, input_ids.shape[0])
             return plain(slice(None))
 
         groups = find_groups(input_ids, attention_mask, logits_to_keep)
-        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:])
+        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=compute_aux_loss)
+        if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
+            self._count_fallback("router auxiliary loss with a one-token prompt", input_ids.shape[0])
+            return plain(slice(None))
+        aux_parts: list | None = [] if compute_aux_loss else None
         width = input_ids.shape[1] - logits_to_keep
         completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
         suffix_routes = None if routes is None else routes[:, :, width:]
@@ -186,54 +190,62 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             logps, entropies, _ = plain(fallback)
             pieces.append((fallback, logps, entropies))
         if shared:
-            waves = (completions, completion_mask, suffix_routes, compute_entropy)
+            waves = (completions, completion_mask, suffix_routes, compute_entropy, aux_parts)
             if training:
                 pieces += self._training_waves(model, shared, routes, width, waves)
             else:
                 with GroupSession(model) as session:
-                    pieces += [self._wave(self._open_group(session, g, routes, width), g.rows, *waves) for g in shared]
+                    pieces += [self._wave(self._open_group(session, g, routes, width, aux_parts is not None), g.rows,
+                                          *waves) for g in shared]
         self._log_groups(shared, completion_mask, training, time.perf_counter() - start)
         order = torch.tensor([r for rows, _, _ in pieces for r in rows], device=input_ids.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
         logps = torch.cat([p[1] for p in pieces])[inverse]
         entropies = torch.cat([p[2] for p in pieces])[inverse] if compute_entropy else None
-        return logps, entropies, None
+        aux = None
+        if aux_parts is not None:
+            config = unwrap(self.model).config.get_text_config()
+            aux = moe.load_balancing_loss(aux_parts, config.num_experts, config.num_experts_per_tok)
+        return logps, entropies, aux
 
-    def _plain_path_reason(self, compute_aux_loss: bool, extra: dict, training: bool) -> str | None:
+    def _plain_path_reason(self, extra: dict, training: bool) -> str | None:
         if any(extra.get(key) is not None for key in MULTIMODAL_KEYS):
             if self._replay:
                 raise PrefixFlowError("MoE routing replay with multimodal inputs is not supported; set "
                                       "prefixflow_routing_replay=False.")
             return "multimodal inputs"
-        if compute_aux_loss:
-            return "router auxiliary loss"
         if not training and not self.prefixflow_scoring:
             return "prefixflow_scoring=False"
         return None
 
-    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor):
-        """Groups worth sharing, and the rows that train on the plain path (the FLOP model's verdict)."""
+    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor, every_group: bool = False):
+        """Groups worth sharing, and the rows that train on the plain path (the FLOP model's verdict, unless
+        `every_group`: then only one-token prompts, which leave nothing to share)."""
         lengths = completion_mask.sum(dim=1).tolist()
         shared, fallback = [], []
         for group in groups:
             bound = self._shape.bound(len(group.prefix_ids), [int(lengths[r]) for r in group.rows])
-            if bound >= self.prefixflow_min_speedup and len(group.prefix_ids) > 1:
+            if (every_group or bound >= self.prefixflow_min_speedup) and len(group.prefix_ids) > 1:
                 shared.append(group)
             else:
                 fallback += group.rows
         return shared, fallback
 
-    def _open_group(self, session: GroupSession, group: BatchGroup, routes: torch.Tensor | None, width: int):
+    def _open_group(self, session: GroupSession, group: BatchGroup, routes: torch.Tensor | None, width: int,
+                    collect_router_logits: bool):
         prefix_routes = None if routes is None else routes[group.rows[0], :, group.position_offset : width].long()
         with self.accelerator.autocast():  # Phase A under the same autocast as the waves, as in TRL's forward
-            return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes)
+            return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes,
+                                collect_router_logits=collect_router_logits)
 
-    def _wave(self, group, rows, completions, completion_mask, suffix_routes, compute_entropy):
+    def _wave(self, group, rows, completions, completion_mask, suffix_routes, compute_entropy, aux_parts):
         """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
         ids, mask = completions[rows], completion_mask[rows]
         labels = ids.masked_fill(mask == 0, -100)
         routes = None if suffix_routes is None else suffix_routes[rows].transpose(0, 1).long()
+        if aux_parts is not None:
+            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy, aux_parts)
         with self.accelerator.autocast():
             if self.prefixflow_layout == "packed":
                 real = mask.sum(dim=1).clamp(min=1).tolist()
@@ -247,6 +259,24 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 logps, entropy = out.log_probs, out.entropy
         return rows, logps, (entropy if compute_entropy else None)
 
+    def _wave_with_router_logits(self, group, ids, mask, labels, routes, compute_entropy, aux_parts):
+        """A padded wave that also feeds each completion's last token (TRL's rows do, so its router logits count in
+        the load-balancing loss) and adds this wave's and the prefix's router logits to `aux_parts`."""
+        pad = ids.new_zeros(ids.shape[0], 1)
+        ids, mask, labels = torch.cat([ids, pad], 1), torch.cat([mask, pad], 1), torch.cat([labels, pad - 100], 1)
+        if routes is not None:
+            routes = torch.cat([routes, routes[:, :, -1:]], dim=2)
+        with self.accelerator.autocast():
+            wave = group.padded_wave(ids, mask, routes)
+            wave.router_logits = {}
+            out = group.run_wave(wave, shift_labels=labels, fused_lm_head=True)
+        count = float(len(ids))
+        aux_parts.append(({l: t.leaf for l, t in group.cache.router_logits.items()},
+                          torch.full((group.cache.prefix_length,), count, device=ids.device)))
+        aux_parts.append((wave.router_logits, (wave.segment_ids >= 0).reshape(-1)))
+        entropy = out.entropy[:, :-1] if compute_entropy else None
+        return out.log_probs[:, :-1], entropy
+
     # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
 
     def _training_waves(self, model, groups, routes, width, waves):
@@ -256,7 +286,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         for g in groups:
             group = self._open.get(g.key)
             if group is None:
-                group = self._open[g.key] = self._open_group(self._session, g, routes, width)
+                group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
             pieces.append(self._wave(group, g.rows, *waves))
         return pieces
 

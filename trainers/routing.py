@@ -22,10 +22,9 @@ def assemble(recorder: RoutingRecorder, rows: int, prompt_width: int, completion
     recorded = recorder.routes(rows, num_layers).transpose(0, 1)  # [B, layers, prefill + decode steps, k]
     if recorded.shape[2] < prompt_width:
         raise PrefixFlowError("the recorded routing is shorter than the prompts; was generation interrupted?")
-    routes = torch.arange(top_k, device=recorded.device).expand(rows, num_layers, prompt_width + completion_width, -1)
-    routes = routes.clone()
-    # A completion's last token never runs through the model during generation; its route cannot change the loss
-    # (its own output predicts nothing), so it keeps the placeholder experts 0..k-1.
+    # A completion's last token never runs through the model during generation: -1 lets the router choose, as the
+    # stock trainer does (its log-prob does not depend on it; the load-balancing loss does).
+    routes = recorded.new_full((rows, num_layers, prompt_width + completion_width, top_k), -1)
     length = min(recorded.shape[2], prompt_width + completion_width)
     routes[:, :, :length] = recorded[:, :, :length]
     leaders = torch.arange(rows, device=routes.device) // group_size * group_size
