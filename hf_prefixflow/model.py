@@ -14,7 +14,9 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model inside a PEFT (or similar) wrapper."""
+    """The transformers model inside DDP and PEFT (or similar) wrappers."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(inner, PreTrainedModel):
         raise PrefixFlowError(f"apply_prefixflow needs a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}.")

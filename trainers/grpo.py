@@ -18,7 +18,10 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from accelerate.utils import DistributedType
+
 from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow, moe
+from hf_prefixflow.distributed import data_parallel
 from hf_prefixflow.flops import ModelShape
 from hf_prefixflow.model import unwrap
 
@@ -74,10 +77,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _check_supported(self) -> None:
         check_geometry(self.args.per_device_train_batch_size, self.num_generations)
-        if self.accelerator.num_processes > 1:
+        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        if self.accelerator.distributed_type not in supported:
             raise PrefixFlowError(
-                "PrefixFlowGRPOTrainer runs on one process for now (data, ZeRO and sequence parallel rules are not "
-                "in this release); launch with a single process or use GRPOTrainer."
+                f"PrefixFlowGRPOTrainer supports one process or DDP for now, not {self.accelerator.distributed_type}: "
+                "the DeepSpeed, FSDP and sequence-parallel rules are not in this release. Use DDP or GRPOTrainer."
             )
         kwargs = self.args.gradient_checkpointing_kwargs or {}
         if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
@@ -291,17 +295,20 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return pieces
 
     def training_step(self, model, inputs, num_items_in_batch):
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except BaseException as exc:
-            self._end_session(exc)
-            raise
-        start = time.perf_counter()
+        with data_parallel.local_gradients(model):  # DDP: reduce once, after Phase C (see distributed/)
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            except BaseException as exc:
+                self._end_session(exc)
+                raise
+            start = time.perf_counter()
+            if self.accelerator.sync_gradients:
+                self._end_session()  # Phase C for every open group, before the optimizer step
+            else:
+                self._close_groups_not_in_next_microbatch()
+            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
         if self.accelerator.sync_gradients:
-            self._end_session()  # Phase C for every open group, before the optimizer step
-        else:
-            self._close_groups_not_in_next_microbatch()
-        self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+            data_parallel.all_reduce_gradients(model)
         return loss
 
     def _close_groups_not_in_next_microbatch(self) -> None:
