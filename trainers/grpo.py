@@ -1,10 +1,12 @@
 """PrefixFlowGRPOTrainer: TRL's GRPOTrainer whose actor update and scoring passes run each prompt as a prefix group.
 
-Swap `GRPOTrainer` for `PrefixFlowGRPOTrainer`; the config, data, loss, metrics and checkpoints stay TRL's. Only
-two things change. Batches are shuffled and split by whole groups instead of rows. And the per-token log-probs
-come from prefix groups: a prompt runs forward once (Phase A), its completions run as a suffix wave through TRL's
-own fused LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C)
-runs once the last microbatch that reads the prompt has been backpropagated, before the optimizer step.
+Swap `GRPOTrainer` for `PrefixFlowGRPOTrainer`; the config, data, loss, metrics and checkpoints stay TRL's. What
+changes: batches are shuffled and split by whole groups instead of rows, and the per-token log-probs come from
+prefix groups: a prompt runs forward once (Phase A), its completions run as a suffix wave through TRL's own fused
+LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C) runs once
+the last microbatch that reads the prompt has been backpropagated, before the optimizer step. MoE models also
+record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
+once, after Phase C (`hf_prefixflow/distributed/data_parallel.py`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from accelerate.utils import DistributedType
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
-
-from accelerate.utils import DistributedType
 
 from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow, moe
 from hf_prefixflow.distributed import data_parallel
