@@ -58,8 +58,11 @@ def check_checkpointing(model: torch.nn.Module) -> None:
             )
 
 
-def apply_prefixflow(model: torch.nn.Module) -> torch.nn.Module:
+def apply_prefixflow(model: torch.nn.Module, offload: bool | None = None) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
+
+    `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
+    (`hf_prefixflow.offload`); `None` keeps the current setting (off by default).
 
     Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
     the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
@@ -76,4 +79,6 @@ def apply_prefixflow(model: torch.nn.Module) -> torch.nn.Module:
         _check_rope(inner)
         inner.set_attn_implementation(attention.wrapped_name(current))
     moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
+    if offload is not None:
+        inner._prefixflow_offload = bool(offload)
     return model

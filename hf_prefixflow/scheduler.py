@@ -14,6 +14,7 @@ suffix token `t` exactly as position `P-1+t` of `[P || S]` does, and no hidden s
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, decoder_of, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
+from .offload import HostPool, PrefixOffload
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -69,6 +71,7 @@ class PrefixGroup:
         self.stats = GroupStats(prefix_tokens=self.prefix_ids.shape[1])
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
+        self.offload: PrefixOffload | None = None
 
     def _check_prefix(self, prefix_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.dtype not in (torch.int64, torch.int32):
@@ -133,13 +136,15 @@ class PrefixGroup:
             return
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
-        out = decoder_of(self.model)(
-            input_ids=self.prefix_ids[:, :-1],
-            position_ids=positions,
-            use_cache=False,
-            **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)},
-            **replay,
-        )
+        self.offload = self._offloader()
+        with self.offload.hooks() if self.offload else contextlib.nullcontext():
+            out = decoder_of(self.model)(
+                input_ids=self.prefix_ids[:, :-1],
+                position_ids=positions,
+                use_cache=False,
+                **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)},
+                **replay,
+            )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
@@ -147,6 +152,18 @@ class PrefixGroup:
                 "activation checkpointing (or a custom checkpoint function) detached them. Use non-reentrant "
                 "checkpointing: gradient_checkpointing_kwargs={'use_reentrant': False}."
             )
+
+    def _offloader(self) -> PrefixOffload | None:
+        """A saved-tensor offloader for this prefix forward, sharing the model's host pool across groups."""
+        if not (self.trains and getattr(self._inner, "_prefixflow_offload", False)):
+            return None
+        device = self.prefix_ids.device
+        pool = getattr(self._inner, "_prefixflow_pool", None)
+        if pool is None:
+            pool = self._inner._prefixflow_pool = HostPool(pin=device.type == "cuda")
+        offload = PrefixOffload(device, pool)
+        offload.caches.append(self.cache)
+        return offload
 
     # -- Phase B ---------------------------------------------------------------------------------------------
 
@@ -219,6 +236,8 @@ class PrefixGroup:
 
     def _release(self) -> None:
         self.cache.free()
+        if self.offload is not None:
+            self.offload.release()
         self.state = "closed"
 
 

@@ -130,6 +130,11 @@ def test_packed_layout_and_trajectory_over_steps(tmp_path):
     assert_aligned(stock, pf)
 
 
+def test_prefix_activation_offload_in_the_trainer(tmp_path):
+    assert_aligned(*both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         config_cls=PrefixFlowGRPOConfig, prefixflow_offload=True))
+
+
 def test_default_adamw_trajectory_stays_aligned(tmp_path):
     stock, pf = both(tmp_path, steps=3, optim="adamw_torch", learning_rate=1e-3)
     for name in stock[1]:

@@ -47,11 +47,13 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
     prefixflow_routing_replay: bool = field(
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
+    prefixflow_offload: bool = field(
+        default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
 
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay")}
+                         "prefixflow_routing_replay", "prefixflow_offload")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -64,7 +66,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             setattr(self, name, getattr(self.args, name, default))
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
-        apply_prefixflow(self.model)
+        apply_prefixflow(self.model, offload=self.prefixflow_offload)
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)

@@ -1,0 +1,138 @@
+"""Prefix activation offload: the prefix graph's saved tensors leave the device from Phase A until Phase C.
+
+Phase B reads only the prefix K/V; every other tensor the prefix forward saves for its backward is dormant until
+Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the prefix forward: each saved tensor
+(not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
+forward goes on, and its device memory is released. In Phase C autograd unpacks them in about reverse order; each
+unpack starts copying the next ones back ahead of need, and a tensor that is not back yet is loaded on demand, so
+correctness never depends on overlap. On a CPU device the same hooks copy into the host pool (a stand-in that
+exercises the bookkeeping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
+PREFETCH_AHEAD = 4
+
+
+class HostPool:
+    """Host buffers reused across groups (pinned when the device is an accelerator), keyed by byte size."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        stack = self.free.get(nbytes)
+        if stack:
+            return stack.pop()
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.setdefault(buffer.numel(), []).append(buffer)
+
+
+@dataclass(eq=False)
+class Offloaded:
+    """One saved tensor living on the host; `device_copy` is set once it is back (prefetched or loaded)."""
+
+    index: int
+    host: torch.Tensor  # uint8 bytes
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    copied: object = None  # event that marks the device-to-host copy done
+    device_copy: torch.Tensor | None = None
+    ready: object = None  # event that marks the host-to-device copy done
+    loaded_on_demand: bool = field(default=False)
+
+
+class PrefixOffload:
+    """Saved-tensor hooks for one or more prefix forwards, released after their Phase C."""
+
+    def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None):
+        self.device = torch.device(device)
+        accelerator = self.device.type == "cuda"
+        self.pool = pool or HostPool(pin=accelerator)
+        self.min_bytes = (MIN_BYTES_ON_ACCELERATOR if accelerator else 0) if min_bytes is None else min_bytes
+        self.stream = torch.cuda.Stream(self.device) if accelerator else None
+        self.entries: list[Offloaded] = []
+        self.caches: list = []  # training-time KV caches whose live tensors stay on the device
+        self.offloaded_bytes = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        return not (
+            isinstance(base, torch.nn.Parameter)
+            or (base.is_leaf and base.requires_grad)
+            or any(tensor is t.live or base is t.live for cache in self.caches for t in cache.tensors())
+            or tensor.device != self.device
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+        )
+
+    def _pack(self, tensor: torch.Tensor):
+        if not self._eligible(tensor):
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        host = self.pool.take(nbytes)
+        entry = Offloaded(len(self.entries), host, tensor.shape, tensor.dtype, tensor.device)
+        view = host.view(tensor.dtype).view(tensor.shape)
+        if self.stream is None:
+            view.copy_(tensor)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                view.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)  # its memory is reused only after the copy
+                entry.copied = torch.cuda.Event()
+                entry.copied.record(self.stream)
+        self.entries.append(entry)
+        self.offloaded_bytes += nbytes
+        return entry
+
+    def _unpack(self, packed):
+        if not isinstance(packed, Offloaded):
+            return packed
+        for ahead in range(1, PREFETCH_AHEAD + 1):  # autograd walks the prefix graph backwards
+            if packed.index - ahead >= 0:
+                self._prefetch(self.entries[packed.index - ahead])
+        if packed.device_copy is None:
+            packed.loaded_on_demand = True
+            self._prefetch(packed)
+        if packed.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(packed.ready)
+            packed.device_copy.record_stream(torch.cuda.current_stream(self.device))
+        return packed.device_copy
+
+    def _prefetch(self, entry: Offloaded) -> None:
+        if entry.device_copy is not None:
+            return
+        host = entry.host.view(entry.dtype).view(entry.shape)
+        if self.stream is None:
+            entry.device_copy = host.clone()
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(entry.copied)
+            entry.device_copy = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+            entry.device_copy.copy_(host, non_blocking=True)
+            entry.ready = torch.cuda.Event()
+            entry.ready.record(self.stream)
+
+    def release(self) -> None:
+        """Return the host buffers to the pool (after Phase C, or when the group fails)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        for entry in self.entries:
+            self.pool.give(entry.host)
+            entry.device_copy = None
+        self.entries = []
+        self.caches = []

@@ -1,0 +1,77 @@
+"""Prefix activation offload: gradients with it on equal those with it off; buffers return to the pool."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import hf_prefixflow
+from equivalence import assert_rel_close, gradients, prefixflow_backward, random_group, random_plan
+from models import build
+
+
+def _setup(family, lora=False, checkpointing=False):
+    model = build(family).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).double()
+    return hf_prefixflow.apply_prefixflow(model)
+
+
+@pytest.mark.parametrize("family,lora,checkpointing", [("llama", False, False), ("gemma2", False, False),
+                                                       ("qwen3", True, False), ("mistral", False, True)])
+def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpointing, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    model = _setup(family, lora, checkpointing)
+    group = random_group(gen, prefix=(12, 24), n=(2, 5))
+    plan = random_plan(gen, len(group.suffixes))
+    prefixflow_backward(model, group, plan)
+    expected = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    offloads = []
+    original = hf_prefixflow.scheduler.PrefixGroup._offloader
+    monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
+                        lambda self: offloads.append(original(self)) or offloads[-1])
+    hf_prefixflow.apply_prefixflow(model, offload=True)
+    prefixflow_backward(model, group, plan)
+    for name, grad in gradients(model).items():
+        # exact values; a restored tensor is contiguous, so a backward matmul may take another BLAS path (1 ulp)
+        assert_rel_close(grad, expected[name], name, rtol=1e-12)
+    (offload,) = offloads
+    assert offload.offloaded_bytes > 0 and not offload.entries
+    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    assert sum(len(v) for v in pool.free.values()) > 0 and pool.allocated_bytes >= offload.offloaded_bytes
+
+
+def test_offload_skips_parameters_and_the_cached_kv(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
+    group = random_group(gen, prefix=(10, 16), n=(2, 3))
+    seen = []
+    pack = hf_prefixflow.offload.PrefixOffload._pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+                        lambda self, t: seen.append((t, self._eligible(t))) or pack(self, t))
+    with hf_prefixflow.prefix_group(model, group.prefix) as g:
+        live = {id(t.live) for t in g.cache.tensors()}
+        params = {id(p) for p in model.parameters()}
+        offloaded = [t for t, eligible in seen if eligible]
+        assert offloaded and not any(id(t) in live | params for t in offloaded)
+        g(group.suffixes[0][None]).logits.sum().backward()
+    second = hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes
+    with hf_prefixflow.prefix_group(model, group.prefix) as g:  # the same shapes reuse the pool's buffers
+        g(group.suffixes[0][None]).logits.sum().backward()
+    assert hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes == second
+
+
+def test_an_exception_returns_every_buffer():
+    gen = torch.Generator().manual_seed(2)
+    model = hf_prefixflow.apply_prefixflow(build("qwen2").train(), offload=True)
+    group = random_group(gen, prefix=(10, 16), n=(2, 3))
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf_prefixflow.prefix_group(model, group.prefix) as g:
+            g(group.suffixes[0][None]).logits.sum().backward()
+            raise RuntimeError("boom")
+    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    assert pool.allocated_bytes > 0 and g.offload.entries == []
+    assert sum(b.numel() for v in pool.free.values() for b in v) == pool.allocated_bytes
