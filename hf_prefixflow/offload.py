@@ -53,6 +53,14 @@ class Offloaded:
     loaded_on_demand: bool = field(default=False)
 
 
+def _is_parameter_cast(tensor: torch.Tensor) -> bool:
+    """An autocast copy of a weight (cached and shared by autocast): weights are not activations."""
+    fn = tensor.grad_fn
+    return type(fn).__name__ == "ToCopyBackward0" and any(
+        type(next_fn).__name__ == "AccumulateGrad" for next_fn, _ in fn.next_functions if next_fn is not None
+    )
+
+
 class PrefixOffload:
     """Saved-tensor hooks for one or more prefix forwards, released after their Phase C."""
 
@@ -74,6 +82,7 @@ class PrefixOffload:
         return not (
             isinstance(base, torch.nn.Parameter)
             or (base.is_leaf and base.requires_grad)
+            or _is_parameter_cast(base)
             or any(tensor is t.live or base is t.live for cache in self.caches for t in cache.tensors())
             or tensor.device != self.device
             or tensor.numel() * tensor.element_size() < self.min_bytes

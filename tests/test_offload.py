@@ -75,3 +75,13 @@ def test_an_exception_returns_every_buffer():
     pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
     assert pool.allocated_bytes > 0 and g.offload.entries == []
     assert sum(b.numel() for v in pool.free.values() for b in v) == pool.allocated_bytes
+
+
+def test_autocast_weight_copies_stay():
+    model = build("llama", dtype=torch.float32).train()
+    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    weight = model.lm_head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = weight.to(torch.bfloat16)
+        activation = torch.randn(4, 4, requires_grad=True) * 2
+    assert not offload._eligible(cast) and not offload._eligible(weight) and offload._eligible(activation)
