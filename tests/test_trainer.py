@@ -121,6 +121,22 @@ def test_steps_per_generation_and_num_iterations(tmp_path):
     assert any(log.get("prefixflow/scoring_groups") for log in pf[2])
 
 
+def test_entropy_bonus_two_sided_clipping_off_policy_mask_and_fp32_head(tmp_path):
+    assert_aligned(*both(tmp_path, entropy_coef=0.01, delta=1.5, off_policy_mask_threshold=0.5, num_iterations=2,
+                         cast_lm_head_to_fp32=True, steps=2))
+
+
+def test_checkpoints_are_plain_transformers_checkpoints(tmp_path):
+    """What PrefixFlowGRPOTrainer saves loads with from_pretrained into an ordinary model, like GRPOTrainer's."""
+    from transformers import AutoModelForCausalLM
+
+    train(PrefixFlowGRPOTrainer, setup.make_model(), tmp_path, steps=2, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "PrefixFlowGRPOTrainer" / "checkpoint-2"
+    assert "prefixflow" not in (checkpoint / "config.json").read_text()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model.config._attn_implementation in ("sdpa", "eager")
+
+
 def test_entropy_masking_and_checkpointing(tmp_path):
     assert_aligned(*both(tmp_path, top_entropy_quantile=0.5, gradient_checkpointing=True, steps=2))
 
