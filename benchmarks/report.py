@@ -1,0 +1,72 @@
+"""Collect speed rows into `latest.json`, a markdown table and a speedup-vs-N plot against the FLOP bound.
+
+    python benchmarks/report.py benchmarks/results/speed_qwen3_1.7b.json benchmarks/results/speed_probe.json ...
+
+Later files win for the same (model, mode, P, S, N, wave); each row keeps the file it came from in `source`.
+The paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4) are drawn for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+PAPER_10K_2K = {16: 3.800, 32: 4.115, 128: 4.395}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    rows: dict[tuple, dict] = {}
+    for name in args.files:
+        for row in json.loads(pathlib.Path(name).read_text()):
+            key = (row["model"], row["mode"], row["P"], row["S"], row["N"], row.get("wave", 1))
+            rows[key] = {**row, "source": pathlib.Path(name).name}
+    ordered = [rows[k] for k in sorted(rows)]
+    out = pathlib.Path(args.out)
+    (out / "latest.json").write_text(json.dumps(ordered, indent=1))
+    lines = ["| model | mode | P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share | source |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['model']} | {r['mode']} | {r['P']} / {r['S']} | {r['N']} | {r.get('wave', 1)} | "
+              f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
+              f"{r['speedup'] / r['flop_bound']:.0%} | {r['source']} |" for r in ordered]
+    (out / "latest.md").write_text("\n".join(lines) + "\n")
+    plot(ordered, out / "speedup_vs_n.png")
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = sorted({(r["P"], r["S"]) for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 3.6), squeeze=False)
+    for ax, (p, s) in zip(axes[0], splits):
+        for wave in sorted({r.get("wave", 1) for r in rows}):
+            points = sorted((r["N"], r["speedup"], r["flop_bound"]) for r in rows
+                            if (r["P"], r["S"]) == (p, s) and r.get("wave", 1) == wave)
+            if points:
+                ax.plot([n for n, _, _ in points], [x for _, x, _ in points], "o-", label=f"PrefixFlow, wave {wave}")
+        bound = sorted({(r["N"], r["flop_bound"]) for r in rows if (r["P"], r["S"]) == (p, s)})
+        ax.plot([n for n, _ in bound], [b for _, b in bound], "k--", label="FLOP bound")
+        if (p, s) == (10240, 2048):
+            ax.plot(list(PAPER_10K_2K), list(PAPER_10K_2K.values()), "s", color="gray",
+                    label="paper (Llama3-8B, H20)")
+        ax.axhline(1.0, color="red", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"P/S = {p}/{s}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("speedup")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
