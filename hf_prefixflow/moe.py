@@ -130,11 +130,13 @@ def check_replay_supported(model: torch.nn.Module) -> None:
 
 
 def check_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
-    """Replay data must name existing experts (checked once per group or wave, not per router call)."""
-    found = routers(model)
-    if not found:
-        raise PrefixFlowError("routes were given but the model has no supported MoE router (see moe.ADAPTERS).")
-    experts = found[0][1].weight.shape[0]
+    """Replay data must name existing experts (one check per group or wave, not per router call)."""
+    experts = getattr(model, "_prefixflow_num_experts", None)
+    if experts is None:
+        found = routers(model)
+        if not found:
+            raise PrefixFlowError("routes were given but the model has no supported MoE router (see moe.ADAPTERS).")
+        experts = model._prefixflow_num_experts = found[0][1].weight.shape[0]
     if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= experts):
         raise PrefixFlowError(f"routing replay data names experts outside 0..{experts - 1} (-1: not recorded).")
 

@@ -109,8 +109,7 @@ class PrefixGroup:
         routes = list(routes.unbind(1)) if isinstance(routes, torch.Tensor) else list(routes)
         if len(routes) != count:
             raise PrefixFlowError(f"got routes for {len(routes)} suffixes but the wave has {count}.")
-        for suffix_routes in routes:
-            check_routes(self._inner, suffix_routes)
+        check_routes(self._inner, torch.cat([r.reshape(-1, r.shape[-1]) for r in routes]))
         return wave_routes(self.routes, routes)
 
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
