@@ -18,5 +18,8 @@ setup(
         "datasets>=3",
         "matplotlib>=3.7",
     ],
-    extras_require={"dev": ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6"]},
+    extras_require={
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
+        "dev": ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6", "deepspeed>=0.19,<0.20"],
+    },
 )

@@ -93,9 +93,13 @@ class TrainingKVCache:
         self.router_logits.clear()
 
 
-def delayed_backward(caches: list[TrainingKVCache]) -> int:
-    """Phase C: inject every cache's gK/gV into its live prefix K/V and run one backward through all prefix graphs."""
+def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward) -> int:
+    """Phase C: inject every cache's gK/gV into its live prefix K/V and run one backward through all prefix graphs.
+
+    `backward(outputs, grads)` defaults to autograd's; an engine that must own the backward (DeepSpeed) passes its
+    own, e.g. one scalar `sum((output * grad).sum())` whose gradient is exactly `grads`.
+    """
     pending = [t for cache in caches for t in cache.pending()]
     if pending:
-        torch.autograd.backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
+        backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
     return len(pending)

@@ -14,8 +14,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model inside DDP and PEFT (or similar) wrappers."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    """The transformers model inside DDP / DeepSpeed engines and PEFT (or similar) wrappers."""
+    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(inner, PreTrainedModel):

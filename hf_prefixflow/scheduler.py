@@ -276,11 +276,13 @@ class GroupSession:
         self.groups.append(group)
         return group
 
-    def close(self, groups: list[PrefixGroup] | None = None) -> None:
-        """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them."""
+    def close(self, groups: list[PrefixGroup] | None = None, backward=None) -> int:
+        """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them.
+        `backward(outputs, grads)` replaces autograd's (see `kv_cache.delayed_backward`); returns the tensors fed."""
         closing = list(self.groups) if groups is None else list(groups)
+        caches = [g.cache for g in closing if g._needs_prefix_backward()]
         try:
-            delayed_backward([g.cache for g in closing if g._needs_prefix_backward()])
+            return delayed_backward(caches, backward) if backward else delayed_backward(caches)
         finally:
             for group in closing:
                 group._release()

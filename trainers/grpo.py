@@ -11,6 +11,7 @@ once, after Phase C (`hf_prefixflow/distributed/data_parallel.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow, moe
-from hf_prefixflow.distributed import data_parallel
+from hf_prefixflow.distributed import data_parallel, zero
 from hf_prefixflow.flops import ModelShape
 from hf_prefixflow.model import unwrap
 
@@ -78,14 +79,20 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._replay:
             self._check_replay_supported()
 
+    @property
+    def _deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
     def _check_supported(self) -> None:
         check_geometry(self.args.per_device_train_batch_size, self.num_generations)
-        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED)
         if self.accelerator.distributed_type not in supported:
             raise PrefixFlowError(
-                f"PrefixFlowGRPOTrainer supports one process or DDP for now, not {self.accelerator.distributed_type}: "
-                "the DeepSpeed, FSDP and sequence-parallel rules are not in this release. Use DDP or GRPOTrainer."
+                f"PrefixFlowGRPOTrainer supports one process, DDP and DeepSpeed ZeRO for now, not "
+                f"{self.accelerator.distributed_type}: the FSDP and sequence-parallel rules are not in this release."
             )
+        if self._deepspeed:
+            zero.check_config(self.accelerator)
         kwargs = self.args.gradient_checkpointing_kwargs or {}
         if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
             raise PrefixFlowError(
@@ -182,7 +189,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return plain(slice(None))
 
         groups = find_groups(input_ids, attention_mask, logits_to_keep)
-        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=compute_aux_loss)
+        # The load-balancing loss spans the microbatch, and ZeRO needs a group at every boundary (and ZeRO-3 the same
+        # forwards on every rank): then every group with a prompt to share is shared.
+        every_group = compute_aux_loss or (self._deepspeed and training)
+        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group)
         if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
             self._count_fallback("router auxiliary loss with a one-token prompt", input_ids.shape[0])
             return plain(slice(None))
@@ -298,21 +308,40 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return pieces
 
     def training_step(self, model, inputs, num_items_in_batch):
+        window = zero.inside_window(self.accelerator) if self._deepspeed else contextlib.nullcontext()
         with data_parallel.local_gradients(model):  # DDP: reduce once, after Phase C (see distributed/)
             try:
-                loss = super().training_step(model, inputs, num_items_in_batch)
+                with window:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
             except BaseException as exc:
                 self._end_session(exc)
                 raise
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
-                self._end_session()  # Phase C for every open group, before the optimizer step
-            else:
+                self._end_boundary()  # Phase C for every open group, before the optimizer step
+            elif not self._deepspeed:  # under ZeRO, groups stay open until the boundary backward
                 self._close_groups_not_in_next_microbatch()
             self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
         if self.accelerator.sync_gradients:
             data_parallel.all_reduce_gradients(model)
         return loss
+
+    def _end_boundary(self) -> None:
+        if not self._deepspeed:
+            self._end_session()
+            return
+        session, self._session, self._open = self._session, None, {}
+        fed = 0
+        if session is not None:
+            try:
+                fed = session.close(backward=zero.boundary_backward(self.accelerator))
+            finally:
+                session.__exit__(None, None, None)
+        if not fed:
+            raise PrefixFlowError(
+                "no prefix group reached this DeepSpeed accumulation boundary, so the engine would not step. Under "
+                "ZeRO every microbatch must hold shareable prompts (more than one token); use GRPOTrainer otherwise."
+            )
 
     def _close_groups_not_in_next_microbatch(self) -> None:
         if self._session is None:
