@@ -93,6 +93,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             )
         if self._deepspeed:
             zero.check_config(self.accelerator)
+            if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+                raise PrefixFlowError(
+                    "under DeepSpeed, prompts stay cached until the accumulation boundary, so a new generation must "
+                    "not start inside a window: make steps_per_generation a multiple of gradient_accumulation_steps."
+                )
         kwargs = self.args.gradient_checkpointing_kwargs or {}
         if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
             raise PrefixFlowError(
