@@ -88,7 +88,6 @@ def test_padded_batch_reference_agrees():
 
 def test_single_token_prefix():
     """P = 1 leaves nothing to cache: the waves alone carry the whole computation."""
-    gen = torch.Generator().manual_seed(5)
     _steps(_setup("llama"), seed=5, prefix=(1, 1))
 
 
