@@ -2,9 +2,10 @@
 
 from .errors import PrefixFlowError
 from .model import apply_prefixflow
-from .scheduler import GroupSession, GroupStats, PackedOutput, PrefixGroup, prefix_group
+from .scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
 
 __version__ = "0.1.0"
+
 
 def __getattr__(name: str):
     # The trainers import TRL, which the core does not need: load them on first use.
@@ -15,4 +16,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GroupSession", "GroupStats", "PackedOutput", "PrefixFlowError", "PrefixGroup", "apply_prefixflow", "prefix_group", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer"]
+__all__ = [
+    "GroupSession",
+    "PackedOutput",
+    "PrefixFlowError",
+    "PrefixFlowGRPOConfig",
+    "PrefixFlowGRPOTrainer",
+    "PrefixGroup",
+    "apply_prefixflow",
+    "prefix_group",
+]

@@ -19,7 +19,9 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
         model = model.module
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not isinstance(inner, PreTrainedModel):
-        raise PrefixFlowError(f"apply_prefixflow needs a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}.")
+        raise PrefixFlowError(
+            f"apply_prefixflow needs a transformers PreTrainedModel or a peft PeftModel, got {type(model).__name__}."
+        )
     return inner
 
 

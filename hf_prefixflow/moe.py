@@ -6,8 +6,9 @@ gate weights still come from the router's fresh logits (softmax, gather at the r
 the model does), so the router keeps its gradient and expert choice no longer depends on batch composition.
 
 Routes travel as a model kwarg, `prefixflow_routes`, a LongTensor `[num_layers, B, T, k]` aligned with the forward's
-tokens; -1 marks a token generation never ran (a completion's last token), which the router then routes itself. The PrefixFlow attention function publishes its layer's slice just before that layer's MoE block runs;
-the router consumes it. Activation checkpointing recomputes attention before the MLP too, so recompute replays.
+tokens; -1 marks a token generation never ran (a completion's last token), which the router then routes itself. The
+PrefixFlow attention function publishes its layer's slice just before that layer's MoE block runs; the router
+consumes it. Activation checkpointing recomputes attention before the MLP too, so recompute replays.
 """
 
 from __future__ import annotations

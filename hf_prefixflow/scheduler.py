@@ -32,15 +32,6 @@ _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.
 
 
 @dataclass
-class GroupStats:
-    """What one group did, for logging and FLOP accounting."""
-
-    prefix_tokens: int
-    suffixes: int = 0
-    waves: int = 0
-
-
-@dataclass
 class PackedOutput:
     """Output of a packed wave: `logits` is `[1, T, V]`; `split(x)` cuts any `[1, T, ...]` tensor per suffix."""
 
@@ -68,7 +59,6 @@ class PrefixGroup:
         self.position_offset = int(position_offset)
         self.routes = self._check_routes(routes)
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1)
-        self.stats = GroupStats(prefix_tokens=self.prefix_ids.shape[1])
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
         self.offload: PrefixOffload | None = None
@@ -179,7 +169,6 @@ class PrefixGroup:
         clash = reserved & model_kwargs.keys()
         if clash:
             raise PrefixFlowError(f"{sorted(clash)} are set by the prefix group; do not pass them to a wave.")
-        self.stats.waves += 1
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
         return self.model(
@@ -202,7 +191,6 @@ class PrefixGroup:
         per_row = self._suffix_routes(routes, suffix_ids.shape[0])
         if per_row is not None:
             wave.routes = torch.stack(per_row, dim=1)
-        self.stats.suffixes += suffix_ids.shape[0]
         return wave
 
     def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes=None, **model_kwargs):
@@ -217,7 +205,6 @@ class PrefixGroup:
         per_suffix = self._suffix_routes(routes, len(suffixes))
         if per_suffix is not None:
             wave.routes = torch.cat(per_suffix, dim=1)[:, None]
-        self.stats.suffixes += len(suffixes)
         out = self.run_wave(wave, **model_kwargs)
         return PackedOutput(getattr(out, "logits", None), wave.segment_lengths, out)
 
