@@ -7,7 +7,10 @@ Times forward + backward (CUDA events, median of 10 after warm-up) of one layer'
 - `flash bottom-right`: SDPA with a lower-right CausalBias (PyTorch's FA2 kernel), what Phase B runs today;
 - `cudnn + bool mask`: SDPA restricted to cuDNN with the materialized visibility mask;
 - `cudnn split (no merge)`: the two halves a log-sum-exp split would run, prefix non-causal + suffix causal;
+- `split cudnn` / `split flash`: `hf_prefixflow.split_attention`, what Phase B runs now: the prefix read in place
+  (non-causal, GQA folded into the query length), the suffix causal, merged by log-sum-exp, exact backward;
 - `cudnn square causal`: the baseline's kernel on the full `[P || S]` sequence, for its FLOP rate.
+Before timing, each split kernel's output and gradients are checked against fp32 math (bf16 tolerance).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from hf_prefixflow import split_attention
 from timing import median_seconds
 
 
@@ -51,6 +55,12 @@ def main() -> None:
             _cudnn(lambda: F.scaled_dot_product_attention(q, kr[:, :, :p], vr[:, :, :p])).backward(grad),
             _cudnn(lambda: F.scaled_dot_product_attention(q, kr[:, :, p:], vr[:, :, p:], is_causal=True)).backward(grad)),
     }
+    part = lambda x, sl: x.detach()[:, :, sl].contiguous().requires_grad_()  # noqa: E731
+    pk, pv, sk, sv = part(k, slice(None, p)), part(v, slice(None, p)), part(k, slice(p, None)), part(v, slice(p, None))
+    for kernel in (split_attention.CUDNN, split_attention.FLASH):
+        check_split(kernel, q, pk, pv, sk, sv, kr, vr, grad)
+        cases[f"split {kernel.name}"] = (lambda kernel=kernel: split_attention.split_attention(
+            q, pk, pv, sk, sv, None, kernel).backward(grad))
     full_q = make(1, h, p + s, d)
     full_grad = torch.randn_like(full_q)
     cases["cudnn square causal"] = lambda: _cudnn(
@@ -72,6 +82,25 @@ def main() -> None:
     meta = {"P": p, "S": s, "heads": h, "kv_heads": hk, "dim": d, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__}
     (out / "attention_kernels.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+
+
+def check_split(kernel, q, pk, pv, sk, sv, kr, vr, grad) -> None:
+    """The split kernel's output and input gradients against fp32 math on the concatenated K/V."""
+    inputs = (q, pk, pv, sk, sv)
+    out = split_attention.split_attention(*inputs, None, kernel)
+    got = (out, *torch.autograd.grad(out, inputs, grad))
+    wide = [x.detach().float().requires_grad_() for x in (q, kr, vr)]
+    ref = F.scaled_dot_product_attention(*wide, attn_mask=causal_lower_right(q.shape[2], kr.shape[2]))
+    dq, dk, dv = torch.autograd.grad(ref, wide, grad.float())
+    groups = q.shape[1] // pk.shape[1]
+    fold = lambda x: x.unflatten(1, (-1, groups)).sum(2)  # noqa: E731  (repeated heads -> KV heads)
+    p = pk.shape[2]
+    want = (ref, dq, fold(dk[:, :, :p]), fold(dv[:, :, :p]), fold(dk[:, :, p:]), fold(dv[:, :, p:]))
+    for name, a, b in zip(("out", "dq", "dk prefix", "dv prefix", "dk suffix", "dv suffix"), got, want):
+        err = ((a.float() - b).abs() - (1e-3 + 1e-2 * torch.maximum(a.float().abs(), b.abs()))).max().item()
+        if err > 0:
+            raise AssertionError(f"split {kernel.name}: {name} outside the bf16 tolerance by {err:.3e}")
+    print(f"split {kernel.name}: output and gradients within tolerance", flush=True)
 
 
 def _cudnn(fn):

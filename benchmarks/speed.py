@@ -33,12 +33,15 @@ SHAPES = {
 }
 
 
-def build(name: str, prefixflow: bool = True) -> torch.nn.Module:
+def build(name: str, prefixflow: bool = True, compile: bool = False) -> torch.nn.Module:
     spec = dict(SHAPES[name])
     config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, **spec)
     torch.manual_seed(0)  # the same weights on every call
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if compile:  # per decoder layer, in place: baseline, Phase A and Phase B all run the compiled layers
+        for layer in model.model.layers:
+            layer.compile()
     return hf_prefixflow.apply_prefixflow(model.train()) if prefixflow else model.train()
 
 
@@ -70,7 +73,9 @@ def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}`"
+    flags = " --compile" if args.compile else ""
+    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
+             f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
              "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -87,11 +92,12 @@ def main() -> None:
     parser.add_argument("--n", default="4,16")
     parser.add_argument("--wave", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
 
-    model = build(args.model)
+    model = build(args.model, compile=args.compile)
     shape = ModelShape.from_config(model.config)
     vocab = model.config.vocab_size
     rows = []
@@ -105,7 +111,7 @@ def main() -> None:
             pf_s, pf_gib = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
             model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
-            row = {"model": args.model, "mode": "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
+            row = {"model": args.model, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
                    "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
                    "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
                    "share_of_bound": round(base_s / pf_s / bound, 3),

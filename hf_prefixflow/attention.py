@@ -21,6 +21,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from . import split_attention
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
@@ -29,6 +30,7 @@ from .moe import ROUTES_KWARG, publish
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
 PASS_KWARG = "prefixflow_pass"
+SP_KWARG = "prefixflow_sp"  # a `distributed.ulysses.SequenceParallel`: this forward is sharded along the sequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,13 +128,21 @@ def _prefix_leaves(cache: TrainingKVCache, module, key: torch.Tensor, value: tor
 
 def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, base_fn, dropout, scaling, kwargs):
     leaves = _prefix_leaves(marker.cache, module, key, value)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    if leaves is not None and plain and base == "sdpa" and marker.wave.is_plain_causal \
+            and (window is None or window >= leaves[0].shape[2] + key.shape[2]):
+        query, key, value = _autocast_inputs(query, key, value)
+        kernel = split_attention.kernel_for(query)
+        if kernel is not None:  # the cache read in place, no per-wave concatenation (see split_attention.py)
+            prefix = [leaf.to(query.dtype) for leaf in leaves]
+            return split_attention.split_attention(query, *prefix, key, value, scaling, kernel).transpose(1, 2), None
     if leaves is not None:
         batch = query.shape[0]
         key = torch.cat([leaves[0].expand(batch, -1, -1, -1), key], dim=2)
         value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     mask = _wave_mask(marker.wave, base, window, query, key.shape[2])
-    if isinstance(mask, CausalBias) and kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+    if isinstance(mask, CausalBias) and plain:
         return _bottom_right_sdpa(query, key, value, mask, scaling), None
     return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -143,14 +153,19 @@ def _bottom_right_sdpa(query, key, value, mask: CausalBias, scaling: float | Non
     (transformers' sdpa wrapper would repeat K/V for any mask.) Inputs are cast to the autocast dtype up front,
     since a CausalBias dispatches before autocast would unify the q/k/v dtypes.
     """
-    device = query.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    query, key, value = _autocast_inputs(query, key, value)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _autocast_inputs(query, key, value):
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    return query, key, value
 
 
 def prefixflow_attention(
@@ -164,6 +179,9 @@ def prefixflow_attention(
     **kwargs,
 ):
     """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one."""
+    sequence_parallel = kwargs.pop(SP_KWARG, None)
+    if sequence_parallel is not None:  # Ulysses: re-enters here on full-length sequences of a head shard
+        return sequence_parallel.attend(prefixflow_attention, module, query, key, value, dropout, scaling, kwargs)
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)

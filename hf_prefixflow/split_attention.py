@@ -1,0 +1,153 @@
+"""Phase-B attention as two kernel calls merged by log-sum-exp: the prefix read in place, the suffix causal.
+
+A right-padded wave's queries see every cached prefix key and, causally, their own suffix keys. Instead of
+concatenating `[prefix ; suffix]` K/V for every wave (a copy of the whole cache per layer per wave) and running a
+bottom-right causal kernel over it, this runs
+- the prefix part non-causally with the cached K/V as they are: queries of all rows and of each GQA group fold
+  into one long query sequence per KV head (the prefix is the same for everyone), so no K/V is expanded or
+  repeated and the kernel sees batch 1 with the KV head count;
+- the suffix part as the ordinary square causal attention of the wave;
+and merges the two by their log-sum-exps. The backward runs each part's backward kernel with the *merged* output
+and log-sum-exp: those give every score its true softmax probability, so each part returns its exact share of
+dQ and its own dK/dV (flash-style backwards only ever use `out` and `lse`, never the part's own).
+Kernels: cuDNN (falling back to flash for head dims cuDNN rejects) for bf16/fp16 on CUDA, PyTorch's flash kernel
+for any dtype on the CPU. Other cases return None and the caller keeps its general path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused attention kernel that returns its log-sum-exp: `forward -> (out, lse, state)`, `backward -> dq, dk, dv`."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(grad, q, k, v, out, lse, causal, scale, state):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _flash_forward(q, k, v, causal, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal, scale, state):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(grad, q, k, v, out, lse, causal, scale, state):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+CPU = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
+FLASH = Kernel("flash", _flash_forward, _flash_backward)
+CUDNN = Kernel("cudnn", _cudnn_forward, _cudnn_backward)
+
+
+def kernel_for(query: torch.Tensor) -> Kernel | None:
+    """The kernel this wave's attention can run on, or None (CUDA fp32/fp64, odd head dims, other devices)."""
+    if query.device.type == "cpu":
+        return CPU
+    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    head_dim = query.shape[-1]
+    if head_dim % 8:
+        return None
+    if head_dim <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available():
+        return CUDNN
+    return FLASH if head_dim <= 256 and torch.backends.cuda.flash_sdp_enabled() else None
+
+
+def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[B, Hq, L, ...]` -> `[1, Hkv, B*G*L, ...]`: every row and GQA group of a KV head as one query sequence."""
+    batch, heads = x.shape[:2]
+    x = x.reshape(batch, kv_heads, -1, *x.shape[3:])
+    return x.transpose(0, 1).reshape(1, kv_heads, -1, *x.shape[3:]).contiguous()
+
+
+def _unfold(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    batch, heads, length = like.shape[:3]
+    kv_heads = x.shape[1]
+    x = x.reshape(kv_heads, batch, heads // kv_heads * length, *x.shape[3:]).transpose(0, 1)
+    return x.reshape(batch, heads, length, *x.shape[3:])
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _merge(out_p, lse_p, out_s, lse_s):
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = out_p.float() * (lse_p - lse).exp().unsqueeze(-1) + out_s.float() * (lse_s - lse).exp().unsqueeze(-1)
+    return out.to(out_p.dtype), lse
+
+
+class _SplitAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, prefix_key, prefix_value, key, value, scale, kernel: Kernel):
+        kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
+        q_folded = _fold(query, kv_heads)
+        out_p, lse_p, state_p = kernel.forward(q_folded, prefix_key, prefix_value, False, scale)
+        key_r, value_r = _repeat(key, groups).contiguous(), _repeat(value, groups).contiguous()
+        out_s, lse_s, state_s = kernel.forward(query, key_r, value_r, True, scale)
+        # lse layouts differ between kernels (e.g. a trailing 1): merge in `[B, Hq, L]`, hand each back its own.
+        shape_p, shape_s = lse_p.shape, lse_s.shape
+        out, lse = _merge(_unfold(out_p, query), _unfold(lse_p.reshape(lse_p.shape[:3]), query),
+                          out_s, lse_s.reshape(lse_s.shape[:3]))
+        ctx.save_for_backward(query, prefix_key, prefix_value, key_r, value_r, out, lse)
+        ctx.meta = (scale, kernel, groups, shape_p, shape_s, state_p, state_s)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, prefix_key, prefix_value, key_r, value_r, out, lse = ctx.saved_tensors
+        scale, kernel, groups, shape_p, shape_s, state_p, state_s = ctx.meta
+        kv_heads = prefix_key.shape[1]
+        grad = grad.contiguous()
+        dq_p, dk_p, dv_p = kernel.backward(
+            _fold(grad, kv_heads), _fold(query, kv_heads), prefix_key, prefix_value, _fold(out, kv_heads),
+            _fold(lse, kv_heads).reshape(shape_p), False, scale, state_p)
+        dq_s, dk_s, dv_s = kernel.backward(grad, query, key_r, value_r, out, lse.reshape(shape_s).contiguous(),
+                                           True, scale, state_s)
+        dq = _unfold(dq_p, query) + dq_s
+        dk, dv = (x.unflatten(1, (-1, groups)).sum(2) if groups > 1 else x for x in (dk_s, dv_s))
+        return dq, dk_p, dv_p, dk, dv, None, None
+
+
+def split_attention(
+    query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, scale: float | None, kernel: Kernel,
+) -> torch.Tensor:
+    """Attention of right-padded suffix rows `query [B, Hq, L, D]` over the shared prefix K/V `[1, Hkv, P, D]` and,
+    causally, their own `key/value [B, Hkv, L, D]`; returns `[B, Hq, L, D]`."""
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    query, key, value = (x.contiguous() for x in (query, key, value))
+    return _SplitAttention.apply(query, prefix_key, prefix_value, key, value, scale, kernel)

@@ -1,0 +1,78 @@
+"""Split Phase-B attention (prefix in place + causal suffix, merged by log-sum-exp) against concatenated attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from equivalence import assert_rel_close, train_side_by_side, random_group, random_plan
+from hf_prefixflow import split_attention
+from models import build
+
+
+def _reference(query, prefix_key, prefix_value, key, value, scale):
+    batch = query.shape[0]
+    k = torch.cat([prefix_key.expand(batch, -1, -1, -1), key], dim=2)
+    v = torch.cat([prefix_value.expand(batch, -1, -1, -1), value], dim=2)
+    mask = causal_lower_right(query.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=k.shape[1] != query.shape[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_concatenated_attention_and_its_gradients(seed):
+    gen = torch.Generator().manual_seed(seed)
+    randint = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    batch, kv_heads, groups, prefix, length, dim = randint(1, 4), randint(1, 3), randint(1, 3), randint(1, 40), \
+        randint(1, 17), 8 * randint(1, 3)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    query = make(batch, kv_heads * groups, length, dim)
+    # The cache is stored as transformers computes it: [1, H, P, D] views of a [1, P, H, D] buffer.
+    prefix_key, prefix_value = (make(1, prefix, kv_heads, dim).transpose(1, 2) for _ in range(2))
+    key, value = make(batch, kv_heads, length, dim), make(batch, kv_heads, length, dim)
+    grad = torch.randn(batch, kv_heads * groups, length, dim, generator=gen, dtype=torch.float64)
+    scale = [None, 0.3][seed % 2]
+    inputs = (query, prefix_key, prefix_value, key, value)
+    results = []
+    for fn in (_reference, lambda *x: split_attention.split_attention(*x, split_attention.CPU)):
+        out = fn(*inputs, scale)
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for what, got, want in zip(("out", "dq", "dk prefix", "dv prefix", "dk", "dv"), results[1], results[0]):
+        assert_rel_close(got, want, what)
+
+
+def test_a_backward_with_each_parts_own_statistics_fails():
+    """Each part's backward must see the merged out/lse; with its own it drops the cross-part softmax coupling."""
+    cpu = split_attention.CPU
+
+    def own_backward(grad, q, k, v, out, lse, causal, scale, state):
+        own_out, own_lse, own_state = cpu.forward(q, k, v, causal, scale)
+        return cpu.backward(grad, q, k, v, own_out, own_lse, causal, scale, own_state)
+
+    broken = split_attention.Kernel("own statistics", cpu.forward, own_backward)
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    inputs = (make(2, 2, 5, 8), make(1, 2, 7, 8), make(1, 2, 7, 8), make(2, 2, 5, 8), make(2, 2, 5, 8))
+    want = torch.autograd.grad(_reference(*inputs, None).sum(), inputs[0])[0]
+    got = torch.autograd.grad(split_attention.split_attention(*inputs, None, broken).sum(), inputs[0])[0]
+    assert not torch.allclose(got, want, rtol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("path", ["split", "concatenated"])
+def test_models_match_full_sequence_on_either_path(family, path, monkeypatch):
+    """Padded waves take the split path on the CPU; the concatenated path stays exact for kernels it cannot use."""
+    calls = []
+    kernel_for = split_attention.kernel_for
+    monkeypatch.setattr(split_attention, "kernel_for",
+                        lambda q: calls.append(q) or (kernel_for(q) if path == "split" else None))
+    model = build(family).train()
+    gen = torch.Generator().manual_seed(11)
+    groups = [random_group(gen, n=(2, 5)) for _ in range(3)]
+    train_side_by_side(model, groups, [random_plan(gen, len(g.suffixes), layouts=("padded",)) for g in groups])
+    assert calls, "padded waves never reached the split kernel's dispatch"
+
+
+def test_kernel_choice():
+    assert split_attention.kernel_for(torch.zeros(1, 1, 1, 8)) is split_attention.CPU
+    assert split_attention.kernel_for(torch.zeros(1, 1, 1, 8, device="meta")) is None
