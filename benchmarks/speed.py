@@ -33,7 +33,7 @@ SHAPES = {
 }
 
 
-def build(name: str, prefixflow: bool = True, compile: bool = False) -> torch.nn.Module:
+def build(name: str, prefixflow: bool = True, compile: bool = False, lora: bool = False) -> torch.nn.Module:
     spec = dict(SHAPES[name])
     config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, **spec)
     torch.manual_seed(0)  # the same weights on every call
@@ -42,6 +42,10 @@ def build(name: str, prefixflow: bool = True, compile: bool = False) -> torch.nn
     if compile:  # per decoder layer, in place: baseline, Phase A and Phase B all run the compiled layers
         for layer in model.model.layers:
             layer.compile()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     return hf_prefixflow.apply_prefixflow(model.train()) if prefixflow else model.train()
 
 
@@ -73,7 +77,7 @@ def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = " --compile" if args.compile else ""
+    flags = " --compile" * args.compile + " --lora" * args.lora
     lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
              f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
@@ -93,13 +97,15 @@ def main() -> None:
     parser.add_argument("--wave", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer instead of full gradients")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
 
-    model = build(args.model, compile=args.compile)
+    model = build(args.model, compile=args.compile, lora=args.lora)
     shape = ModelShape.from_config(model.config)
     vocab = model.config.vocab_size
+    model_name = args.model + ("+lora" if args.lora else "")
     rows = []
     for split in args.splits.split(","):
         prefix, suffix = map(int, split.split("/"))
@@ -111,7 +117,7 @@ def main() -> None:
             pf_s, pf_gib = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
             model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
-            row = {"model": args.model, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
+            row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
                    "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
                    "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
                    "share_of_bound": round(base_s / pf_s / bound, 3),

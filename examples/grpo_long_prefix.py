@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, synthetic
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 
@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="tiny model depth")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="PrefixFlow: Ulysses sequence parallelism over groups of this many processes")
     parser.add_argument("--out", default="grpo_long_prefix_out")
     return parser.parse_args(argv)
 
@@ -67,11 +69,12 @@ def load(args):
 
 
 def config(args, name: str) -> GRPOConfig:
-    return GRPOConfig(
+    sp = {"prefixflow_sp_size": args.sp} if name == "prefixflow" and args.sp > 1 else {}
+    return (PrefixFlowGRPOConfig if sp else GRPOConfig)(
         output_dir=str(pathlib.Path(args.out) / name), max_steps=args.steps, learning_rate=5e-4,
         per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, logging_steps=1, report_to="none", save_strategy="no",
-        bf16=args.bf16, seed=0, temperature=1.0, beta=0.0,
+        bf16=args.bf16, seed=0, temperature=1.0, beta=0.0, **sp,
     )
 
 

@@ -3,6 +3,7 @@
 from .errors import PrefixFlowError
 from .model import apply_prefixflow
 from .scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
+from .waves import AutoWaves
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AutoWaves",
     "GroupSession",
     "PackedOutput",
     "PrefixFlowError",

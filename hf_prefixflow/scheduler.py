@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass, is_wrapped
+from .distributed import fsdp
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, decoder_of, unwrap
+from .model import check_checkpointing, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
 
@@ -127,20 +128,20 @@ class PrefixGroup:
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         self.offload = self._offloader()
         with self.offload.hooks() if self.offload else contextlib.nullcontext():
-            out = decoder_of(self.model)(
-                input_ids=self.prefix_ids[:, :-1],
-                position_ids=positions,
-                use_cache=False,
-                **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)},
-                **replay,
+            module, extra = fsdp.prefix_forward(self.model)
+            out = self._forward(
+                module, self.prefix_ids[:, :-1], positions,
+                **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)}, **replay, **extra,
             )
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        hidden = out[0]  # the last hidden state, or the logits when Phase A runs the whole model (FSDP2)
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
                 "the prefix K/V came out of Phase A without a graph although the prefix output has one: reentrant "
                 "activation checkpointing (or a custom checkpoint function) detached them. Use non-reentrant "
                 "checkpointing: gradient_checkpointing_kwargs={'use_reentrant': False}."
             )
+        if self.trains:
+            fsdp.enter_through_units(self.model, self.cache)
 
     def _offloader(self) -> PrefixOffload | None:
         """A saved-tensor offloader for this prefix forward, sharing the model's host pool across groups."""
@@ -171,13 +172,12 @@ class PrefixGroup:
             raise PrefixFlowError(f"{sorted(clash)} are set by the prefix group; do not pass them to a wave.")
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
-        return self.model(
-            input_ids=wave.input_ids,
-            position_ids=wave.position_ids,
-            use_cache=False,
-            **{PASS_KWARG: SuffixPass(self.cache, wave)},
-            **model_kwargs,
-        )
+        marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
+        return self._forward(self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
+
+    def _forward(self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
+        """One forward of Phase A (`module` = the decoder) or B (the model); sequence parallelism shards it here."""
+        return module(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
     def padded_wave(
         self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: torch.Tensor | None = None

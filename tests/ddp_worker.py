@@ -1,14 +1,17 @@
 """One rank of a data-parallel GRPO run on CPU (gloo), for tests/test_data_parallel.py.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py {stock|prefixflow} OUT_DIR [ZERO_STAGE]
+    python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py {stock|prefixflow} OUT_DIR ENGINE
 
-Without a ZeRO stage the trainer runs DDP; with one, DeepSpeed ZeRO at that stage.
+ENGINE: ddp, zero1, zero2, zero3 (DeepSpeed ZeRO at that stage) or fsdp2 (FSDP2 through Accelerate).
 """
 
 import os
 import sys
 
 import torch
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -27,28 +30,54 @@ def deepspeed_config(stage: int) -> dict:
             "zero_allow_untested_optimizer": True, "bf16": {"enabled": False}}
 
 
-def main(name: str, out: str, stage: int | None = None) -> None:
+def fsdp_on_cpu() -> None:
+    """Accelerate turns an FSDP plugin into FSDP only on accelerators (MULTI_GPU and kin); on gloo it would silently
+    train plain DDP. `fully_shard` itself runs on a CPU mesh, so let Accelerate's FSDP path run here too."""
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = patched
+
+
+def engine_args(engine: str) -> dict:
+    """The GRPOConfig arguments that select `engine` (DDP needs none beyond gloo)."""
+    if engine.startswith("zero"):
+        return {"deepspeed": deepspeed_config(int(engine[-1]))}
+    if engine.startswith("fsdp"):
+        return {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]}}
+    return {}
+
+
+def main(name: str, out: str, engine: str) -> None:
     # Same rows in the same microbatches for both trainers (normalisers depend on composition).
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
     pf_grpo.shuffle_groups = lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1]
     trainer_cls = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}[name]
+    if engine.startswith("fsdp"):
+        fsdp_on_cpu()
     args = GRPOConfig(output_dir=os.path.join(out, name), per_device_train_batch_size=2, num_generations=4,
                       gradient_accumulation_steps=2, max_completion_length=6, max_steps=2, report_to="none",
                       logging_steps=1, use_cpu=True, save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3,
-                      bf16=False, ddp_backend="gloo", disable_tqdm=True,
-                      deepspeed=None if stage is None else deepspeed_config(stage))
+                      bf16=False, ddp_backend="gloo", disable_tqdm=True, **engine_args(engine))
     trainer = trainer_cls(model=setup.make_model(), reward_funcs=setup.length_reward, args=args,
                           train_dataset=setup.make_dataset(prompts=8), processing_class=setup.make_tokenizer())
     setup.freeze_rollouts(trainer, 6)
     trainer.train()
+    if engine == "fsdp2":  # not DDP in disguise
+        assert isinstance(trainer.model_wrapped, FSDPModule), type(trainer.model_wrapped)
     rank = int(os.environ.get("RANK", 0))
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 partitions
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 / FSDP shards
     if rank == 0:
         torch.save({n: t.detach().clone() for n, t in state.items()}, os.path.join(out, f"{name}_rank{rank}.pt"))
-    if stage is None:  # DDP: every rank holds full weights; keep them to compare ranks
+    if engine == "ddp":  # every rank holds full weights; keep them to compare ranks
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         torch.save(weights, os.path.join(out, f"{name}_rank{rank}_params.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(*sys.argv[1:4])

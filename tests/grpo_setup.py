@@ -59,16 +59,20 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [float(len(c.split()) % 3) + 0.1 * c.count("w1") for c in completions]
 
 
-def freeze_rollouts(trainer, max_length: int, seed: int = 0) -> None:
+def freeze_rollouts(trainer, max_length: int, seed: int = 0, per_prompt: bool = False) -> None:
     """Replace sampling by completions that depend only on the prompt and the call count: both trainers see the
-    same rollouts however their weights drift."""
+    same rollouts however their weights drift. `per_prompt` numbers each prompt's copies on their own, so a
+    prompt's rollouts do not depend on which process, or how many, generated the batch."""
     calls = {"n": 0}
     eos = 1
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         calls["n"] += 1
         out = []
+        seen: dict[tuple, int] = {}
         for index, prompt in enumerate(prompt_ids):
+            if per_prompt:
+                index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
             rng = random.Random(hash((tuple(prompt), index, calls["n"], seed)) & 0xFFFFFFFF)
             length = rng.randint(1, max_length)
             tokens = [rng.randrange(3, len(SPECIALS) + len(WORDS)) for _ in range(length)]

@@ -1,38 +1,26 @@
-"""Data parallel on CPU (two gloo processes): DDP and DeepSpeed ZeRO-1/2/3 give the stock trainer's weights."""
+"""Data parallel on CPU (two gloo processes): DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 give the stock trainer's weights."""
 
 import os
-import socket
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from launcher import torchrun
 
-HERE = os.path.dirname(__file__)
-ENGINES = {"ddp": [], "zero1": ["1"], "zero2": ["2"], "zero3": ["3"]}
+from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.distributed import fsdp
+from trainers.grouping import check_geometry
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
 
 
-def _launch(name: str, out: str, engine: str) -> None:
-    path = os.pathsep.join(p for p in [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")] if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), os.path.join(HERE, "ddp_worker.py"), name, out, *ENGINES[engine]]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
-@pytest.fixture(scope="module", params=list(ENGINES))
+@pytest.fixture(scope="module", params=ENGINES)
 def run(request, tmp_path_factory):
     engine = request.param
     out = str(tmp_path_factory.mktemp(engine))
     for name in ("stock", "prefixflow"):
-        _launch(name, out, engine)
+        result = torchrun("ddp_worker.py", name, out, engine)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return engine, out
 
 
@@ -42,7 +30,28 @@ def test_matches_the_stock_trainer(run):
     assert stock.keys() == pf.keys()
     for name in stock:
         torch.testing.assert_close(pf[name], stock[name], rtol=0, atol=1e-5, msg=name)
-    if engine == "ddp":  # every rank holds full weights, and they must be the same (ZeRO's are gathered above)
+    if engine == "ddp":  # every rank holds full weights, and they must be the same (ZeRO's and FSDP's are gathered)
         ranks = [torch.load(os.path.join(out, f"prefixflow_rank{rank}_params.pt")) for rank in (0, 1)]
         for name, weight in ranks[0].items():
             assert torch.equal(weight, ranks[1][name]), name
+
+
+def test_fsdp1_is_refused():
+    # Accelerate cannot build an FSDP1 plugin without an accelerator, so this checks the rule PrefixFlowGRPOTrainer
+    # applies at construction (`_check_supported`) on a stand-in accelerator.
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=1)))
+    with pytest.raises(PrefixFlowError, match="fsdp_version: 2"):
+        fsdp.check_config(accelerator, torch.nn.Linear(2, 2))
+    accelerator.state.fsdp_plugin.fsdp_version = 2
+    fsdp.check_config(accelerator, torch.nn.Linear(2, 2))
+
+
+def test_groups_straddling_processes_are_refused_by_the_config():
+    # Two processes, per_device_train_batch_size=2, num_generations=4: TRL accepts steps_per_generation=1 (4 rows per
+    # generation), but each process would hold half a group. PrefixFlowGRPOTrainer checks this at construction.
+    with pytest.raises(PrefixFlowError, match="steps_per_generation to a multiple of 2"):
+        check_geometry(2, 4, steps_per_generation=1)
+    with pytest.raises(PrefixFlowError, match="steps_per_generation to a multiple of 4"):
+        check_geometry(2, 8, steps_per_generation=2)
+    check_geometry(2, 4, steps_per_generation=2)
+    check_geometry(8, 4, steps_per_generation=1)

@@ -85,3 +85,29 @@ def test_autocast_weight_copies_stay():
         cast = weight.to(torch.bfloat16)
         activation = torch.randn(4, 4, requires_grad=True) * 2
     assert not offload._eligible(cast) and not offload._eligible(weight) and offload._eligible(activation)
+
+
+def test_checkpointed_layer_inputs_are_offloaded(monkeypatch):
+    """Non-reentrant checkpointing saves each layer's input outside its own hooks, so the prefix hooks see them."""
+    gen = torch.Generator().manual_seed(3)
+    model = _setup("llama", checkpointing=True)
+    group = random_group(gen, prefix=(12, 16), n=(2, 3))
+    plan = random_plan(gen, len(group.suffixes))
+    prefixflow_backward(model, group, plan)
+    expected = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    hf_prefixflow.apply_prefixflow(model, offload=True)
+    inputs, packed = [], []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0]) if args else None)
+    pack = hf_prefixflow.offload.PrefixOffload._pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+                        lambda self, t: packed.append((t, self._eligible(t))) or pack(self, t))
+    prefixflow_backward(model, group, plan)
+    layers = len(model.model.layers)
+    phase_a_inputs = inputs[:layers]  # Phase A runs first; later entries are waves and Phase C recomputes
+    offloaded = {id(t) for t, eligible in packed if eligible}
+    assert len(phase_a_inputs) == layers and all(id(t) in offloaded for t in phase_a_inputs)
+    for name, grad in gradients(model).items():
+        assert_rel_close(grad, expected[name], name, rtol=1e-12)

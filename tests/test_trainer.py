@@ -241,3 +241,15 @@ def test_moe_trainer_really_replays_the_recorded_routes(tmp_path, monkeypatch):
     stock, shifted = _moe_run(GRPOTrainer, tmp_path), _moe_run(PrefixFlowGRPOTrainer, tmp_path)
     with pytest.raises(AssertionError):
         assert_aligned(stock, shifted)
+
+
+def test_suffix_waves_of_a_fixed_size(tmp_path):
+    stock, pf = both(tmp_path, steps=2, config_cls=PrefixFlowGRPOConfig, prefixflow_wave_size="3")
+    assert_aligned(stock, pf)
+    assert [log["prefixflow/wave_size"] for log in pf[2] if "loss" in log] == [2.0, 2.0]  # groups of 4: waves 3 + 1
+
+
+def test_automatic_wave_size_needs_cuda(tmp_path):
+    with pytest.raises(PrefixFlowError, match="reads free CUDA memory"):
+        train(PrefixFlowGRPOTrainer, setup.make_model(), tmp_path, config_cls=PrefixFlowGRPOConfig,
+              prefixflow_wave_size="auto")

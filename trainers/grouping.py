@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -9,13 +10,23 @@ import torch
 from hf_prefixflow import PrefixFlowError
 
 
-def check_geometry(per_device_batch: int, num_generations: int) -> None:
-    """Microbatches must hold whole groups, or a whole group must span a whole number of microbatches."""
+def check_geometry(per_device_batch: int, num_generations: int, steps_per_generation: int) -> None:
+    """Microbatches must hold whole groups, or a whole group must span a whole number of microbatches; and each
+    process must hold whole groups, since a group's prefix K/V live on one process."""
     if per_device_batch % num_generations and num_generations % per_device_batch:
         raise PrefixFlowError(
             f"per_device_train_batch_size={per_device_batch} splits groups of num_generations={num_generations} "
             "unevenly across microbatches. Set per_device_train_batch_size to a multiple of num_generations (whole "
             "groups per microbatch) or to a divisor of it (a group spans several microbatches)."
+        )
+    rows = per_device_batch * steps_per_generation
+    if rows % num_generations:
+        steps = num_generations // math.gcd(per_device_batch, num_generations)
+        raise PrefixFlowError(
+            f"each process holds per_device_train_batch_size * steps_per_generation = {per_device_batch} * "
+            f"{steps_per_generation} = {rows} rows of a generation, not a whole number of groups of "
+            f"num_generations={num_generations}, so a group would straddle processes. Set steps_per_generation to a "
+            f"multiple of {steps} (or per_device_train_batch_size to a multiple of {num_generations})."
         )
 
 

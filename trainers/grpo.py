@@ -6,7 +6,7 @@ prefix groups: a prompt runs forward once (Phase A), its completions run as a su
 LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C) runs once
 the last microbatch that reads the prompt has been backpropagated, before the optimizer step. MoE models also
 record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
-once, after Phase C (`hf_prefixflow/distributed/data_parallel.py`).
+once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from accelerate.utils import DistributedType
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import GroupSession, PrefixFlowError, apply_prefixflow, moe
-from hf_prefixflow.distributed import data_parallel, zero
+from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
+from hf_prefixflow.distributed import data_parallel, fsdp, zero
 from hf_prefixflow.flops import ModelShape
 from hf_prefixflow.model import unwrap
 
-from . import routing
+from . import routing, sequence_parallel
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
 
 logger = logging.getLogger(__name__)
@@ -43,20 +43,36 @@ class PrefixFlowGRPOConfig(GRPOConfig):
     prefixflow_layout: str = field(
         default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
     prefixflow_min_speedup: float = field(
-        default=1.25, metadata={"help": "groups whose FLOP bound is below this train on the plain path (logged); "
-                                        "on an H200 PrefixFlow reaches 69-84% of the bound, so below ~1.25 it "
-                                        "would not pay (benchmarks/results/latest.md)"})
+        default=1.1, metadata={"help": "groups whose FLOP bound is below this train on the plain path (logged); "
+                                       "on an H200 PrefixFlow reaches 93-100% of the bound, so the measured gain "
+                                       "is about 0.95x the bound and below ~1.1 it would not pay "
+                                       "(benchmarks/results/latest.md)"})
     prefixflow_scoring: bool = field(
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
     prefixflow_routing_replay: bool = field(
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
     prefixflow_offload: bool = field(
         default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
+    prefixflow_wave_size: str | None = field(
+        default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
+                                        "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
+
+
+    prefixflow_sp_size: int = field(
+        default=1, metadata={"help": "Ulysses sequence parallelism over groups of this many consecutive processes "
+                                     "(trainers/sequence_parallel.py); ParallelismConfig(sp_size=N) means the same"})
+
+    def __post_init__(self):
+        pc = self.parallelism_config
+        if pc is not None and pc.sp_enabled:  # PrefixFlow runs Ulysses itself; TRL and DeepSpeed's would refuse
+            size = sequence_parallel.sp_size_from(pc, self.prefixflow_sp_size)
+            self.prefixflow_sp_size, self.parallelism_config = size, None
+        super().__post_init__()
 
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload")}
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_wave_size")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -64,11 +80,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
+        self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp.units(self.model))
         self._check_supported()
         for name, default in DEFAULTS.items():
             setattr(self, name, getattr(self.args, name, default))
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
+        self._auto_waves = self._check_wave_size()
         apply_prefixflow(self.model, offload=self.prefixflow_offload)
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
@@ -86,13 +105,17 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     def _check_supported(self) -> None:
-        check_geometry(self.args.per_device_train_batch_size, self.num_generations)
-        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED)
+        check_geometry(self.args.per_device_train_batch_size, self.num_generations, self.args.steps_per_generation)
+        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+                     DistributedType.DEEPSPEED, DistributedType.FSDP)
         if self.accelerator.distributed_type not in supported:
             raise PrefixFlowError(
-                f"PrefixFlowGRPOTrainer supports one process, DDP and DeepSpeed ZeRO for now, not "
-                f"{self.accelerator.distributed_type}: the FSDP and sequence-parallel rules are not in this release."
+                f"PrefixFlowGRPOTrainer supports one process, DDP, FSDP2 and DeepSpeed ZeRO for now, not "
+                f"{self.accelerator.distributed_type}."
             )
+        self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
+        if self._fsdp:
+            fsdp.check_config(self.accelerator, self.model)
         if self._deepspeed:
             zero.check_config(self.accelerator)
             if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
@@ -179,6 +202,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
+        if self._sp is not None:  # Ulysses: the SP group pools its rows and runs them sharded
+            if any(extra.get(key) is not None for key in MULTIMODAL_KEYS) or compute_aux_loss:
+                raise PrefixFlowError("sequence parallelism supports text-only dense models; multimodal inputs and "
+                                      "MoE auxiliary losses are not sharded yet.")
+            return sequence_parallel.logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy)
         routes = self._rows_routes(input_ids)
 
         def plain(rows):
@@ -196,13 +224,16 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return plain(slice(None))
 
         groups = find_groups(input_ids, attention_mask, logits_to_keep)
-        # The load-balancing loss spans the microbatch, and ZeRO needs a group at every boundary (and ZeRO-3 the same
-        # forwards on every rank): then every group with a prompt to share is shared.
-        every_group = compute_aux_loss or (self._deepspeed and training)
+        # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
+        # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
+        every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
         shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group)
         if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
             self._count_fallback("router auxiliary loss with a one-token prompt", input_ids.shape[0])
             return plain(slice(None))
+        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
+        fsdp.check_same_schedule(model, "a microbatch's prefix forwards, suffix-wave rows and plain forwards",
+                                 [fresh, sum(len(g.rows) for g in shared), int(bool(fallback))])
         aux_parts: list | None = [] if compute_aux_loss else None
         width = input_ids.shape[1] - logits_to_keep
         completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
@@ -311,12 +342,42 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             group = self._open.get(g.key)
             if group is None:
                 group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
-            pieces.append(self._wave(group, g.rows, *waves))
+            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[1])]
+        self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
+
+    def _check_wave_size(self) -> AutoWaves | None:
+        size = self.prefixflow_wave_size
+        if size == "auto":
+            if self.accelerator.device.type != "cuda":
+                raise PrefixFlowError("prefixflow_wave_size='auto' reads free CUDA memory; on "
+                                      f"{self.accelerator.device.type} give a number of rows or None.")
+            if self.accelerator.num_processes > 1:  # DDP buffers and sharded weights talk in every forward
+                raise PrefixFlowError("prefixflow_wave_size='auto' could pick different wave counts on different "
+                                      "processes, whose per-forward collectives would then hang; give a number.")
+            return AutoWaves()
+        if size is not None:
+            if not str(size).isdigit() or int(size) < 1:
+                raise PrefixFlowError(f"prefixflow_wave_size must be None, 'auto' or a positive integer, got {size!r}.")
+            self.prefixflow_wave_size = int(size)
+        return None
+
+    def _wave_rows(self, g: BatchGroup, completion_mask: torch.Tensor):
+        """A group's rows of this microbatch, wave by wave (any split is exact). TRL backpropagates the microbatch's
+        loss once, so its waves' graphs coexist: a smaller wave bounds one forward's working set, not their sum;
+        'auto' measures a wave's forward and sizes each wave to the memory free when it starts."""
+        if self._auto_waves is None:
+            size = self.prefixflow_wave_size or len(g.rows)
+            yield from (g.rows[i : i + size] for i in range(0, len(g.rows), size))
+            return
+        lengths = completion_mask[g.rows].sum(dim=1).tolist()
+        for rows in self._auto_waves.waves(lengths, len(g.prefix_ids), completion_mask.device):
+            yield [g.rows[i] for i in rows]
 
     def training_step(self, model, inputs, num_items_in_batch):
         window = zero.inside_window(self.accelerator) if self._deepspeed else contextlib.nullcontext()
-        with data_parallel.local_gradients(model):  # DDP: reduce once, after Phase C (see distributed/)
+        # DDP and FSDP2 accumulate every backward locally; DDP reduces once after Phase C, FSDP2 in its last backward.
+        with data_parallel.local_gradients(model), fsdp.local_gradients(model):
             try:
                 with window:
                     loss = super().training_step(model, inputs, num_items_in_batch)
@@ -326,7 +387,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
-            elif not self._deepspeed:  # under ZeRO, groups stay open until the boundary backward
+            elif not self._deepspeed and self._sp is None:  # under ZeRO and SP, groups stay open until the boundary
                 self._close_groups_not_in_next_microbatch()
             self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
         if self.accelerator.sync_gradients:
@@ -334,21 +395,38 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return loss
 
     def _end_boundary(self) -> None:
-        if not self._deepspeed:
+        if not (self._deepspeed or self._fsdp):
             self._end_session()
             return
         session, self._session, self._open = self._session, None, {}
+        fsdp.check_same_schedule(self.model, "the prefix groups closing at the boundary",
+                                 [len(session.groups) if session else 0])
         fed = 0
         if session is not None:
             try:
-                fed = session.close(backward=zero.boundary_backward(self.accelerator))
+                fed = self._reducing_phase_c(session)
             finally:
                 session.__exit__(None, None, None)
         if not fed:
+            effect = "the engine would not step" if self._deepspeed else "FSDP2 would reduce no gradient"
             raise PrefixFlowError(
-                "no prefix group reached this DeepSpeed accumulation boundary, so the engine would not step. Under "
-                "ZeRO every microbatch must hold shareable prompts (more than one token); use GRPOTrainer otherwise."
+                f"no prefix group reached this accumulation boundary, so {effect} (the boundary's Phase C is its "
+                "reducing backward). Every microbatch must hold shareable prompts (more than one token); use "
+                "GRPOTrainer otherwise."
             )
+
+    def _reducing_phase_c(self, session: GroupSession) -> int:
+        """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
+        if self._deepspeed:
+            return session.close(backward=zero.boundary_backward(self.accelerator))
+        if not session.groups:
+            return 0
+        # FSDP2 reduces a unit in each post-backward: one prefix graph reaches each unit once, so close the others
+        # unreduced first and let the last one reduce everything, one reduce-scatter per unit.
+        *earlier, last = session.groups
+        session.close(earlier)
+        with fsdp.reducing(self.model):
+            return session.close([last])
 
     def _close_groups_not_in_next_microbatch(self) -> None:
         if self._session is None:
@@ -360,6 +438,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             mask = torch.cat([upcoming["prompt_mask"], upcoming["completion_mask"]], dim=1)
             keep = {g.key for g in find_groups(ids, mask, upcoming["completion_ids"].shape[1])}
         closing = [key for key in self._open if key not in keep]
+        fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
         self._session.close([self._open.pop(key) for key in closing])
 
     def _next_microbatch(self) -> dict | None:

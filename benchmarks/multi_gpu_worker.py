@@ -1,0 +1,438 @@
+"""One rank of a run of `benchmarks/multi_gpu_suite.py` (launched by it through torch.distributed.run).
+
+    python -m torch.distributed.run --nproc_per_node N benchmarks/multi_gpu_worker.py train ENGINE SCRATCH JSON_ARGS
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/multi_gpu_worker.py capacity - OUT_JSON JSON_ARGS
+
+`train` ENGINE: `baseline` (stock GRPOTrainer, one process), `zero2`/`zero3` (PrefixFlowGRPOTrainer under DeepSpeed
+ZeRO), `sp2` (PrefixFlowGRPOTrainer, prefixflow_sp_size=2), and the controls `stock-zero2`/`stock-zero3`/`stock-ddp`
+(GRPOTrainer on the same engine). Rank 0 writes `SCRATCH/ENGINE_step{k}.pt` = {loss, grads, weights} at the record
+steps: the loss of the optimizer step (the mean over ranks of the summed microbatch losses each rank backpropagated),
+every parameter's full gradient right before the optimizer step (DeepSpeed: `safe_get_full_grad` inside
+`DeepSpeedEngine.step`, which Accelerate calls at the end of the boundary backward, before clipping and the update;
+others: `on_pre_optimizer_step`, after PrefixFlow's Phase C and DP all-reduce), and every weight after the step
+(DeepSpeed: the fp32 master weights, `safe_get_full_fp32_param`, gathered under ZeRO-3; others: the fp32 weights).
+
+`capacity`: the low-level API on a bigger shape; rank 0 brackets the one-GPU full-sequence baseline's largest prefix
+under a memory cap, then both ranks train the same group with Ulysses SP=2 (see the suite's docstring).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+WORDS_PREFIX = "t"
+SPECIALS = ["<pad>", "<eos>", "<bos>"]
+
+
+# -- the task: a word-level tokenizer over `vocab` ids, random long prompts, frozen rollouts -------------------------
+
+def make_tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = {token: i for i, token in enumerate(SPECIALS + [f"{WORDS_PREFIX}{i}" for i in range(vocab - len(SPECIALS))])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=table, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   padding_side="left")
+
+
+def make_dataset(prompts: int, lengths: tuple[int, int], vocab: int, seed: int = 0):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    words = vocab - len(SPECIALS)
+    texts = [" ".join(f"{WORDS_PREFIX}{rng.randrange(words)}" for _ in range(rng.randint(*lengths)))
+             for _ in range(prompts)]
+    return Dataset.from_dict({"prompt": texts})
+
+
+def reward(completions, **kwargs) -> list[float]:
+    """Deterministic and varied within a group (zero-variance groups would give zero advantages)."""
+    return [float(len(c.split()) % 5) + 0.01 * sum(int(w[1:]) % 7 for w in c.split() if w[1:].isdigit())
+            for c in completions]
+
+
+def freeze_rollouts(trainer, max_length: int, vocab: int, seed: int = 0) -> None:
+    """Generation replaced by completions that depend only on the prompt, its copy number within the call and the
+    call count (one generation per optimizer step on every process): every engine trains on the same rows however its
+    weights drift and however many processes split the batch. The same rule as tests/grpo_setup.freeze_rollouts
+    (per_prompt=True), over this task's vocabulary."""
+    calls = {"n": 0}
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        calls["n"] += 1
+        out, seen = [], {}
+        for prompt in prompt_ids:
+            index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
+            rng = random.Random(hash((tuple(prompt), index, calls["n"], seed)) & 0xFFFFFFFF)
+            length = rng.randint(max(1, max_length // 4), max_length)
+            tokens = [rng.randrange(len(SPECIALS), vocab) for _ in range(length)]
+            if length < max_length and rng.random() < 0.7:
+                tokens[-1] = 1  # eos
+            out.append(tokens)
+        return out, None
+
+    trainer._generate_single_turn = generate
+
+
+def make_model(cfg: dict):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                         num_key_value_heads=cfg["kv_heads"], head_dim=cfg["hidden"] // cfg["heads"],
+                         max_position_embeddings=8192, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(cfg["seed"])  # the same fp32 weights in every engine (built before any DeepSpeed config exists)
+    model = Qwen3ForCausalLM(config)
+    if cfg.get("init_std"):
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, cfg["init_std"])
+    return model
+
+
+# -- recording loss, gradients and weights at the record steps ------------------------------------------------------
+
+class Recorder:
+    def __init__(self, trainer, steps: list[int], engine: str, scratch: str):
+        self.trainer, self.steps, self.engine, self.scratch = trainer, set(steps), engine, scratch
+        self.deepspeed = "zero" in engine
+        self.window = 0.0
+        self.grads: dict | None = None
+        self.rank = int(os.environ.get("RANK", 0))
+
+    def params(self):
+        return list(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+
+    def next_step(self) -> int:
+        return self.trainer.state.global_step + 1
+
+    def capture_grads(self, get) -> None:
+        if self.next_step() not in self.steps or self.grads is not None:
+            return
+        grads = {}
+        for name, param in self.params():  # same order on every rank: the ZeRO getters are collectives
+            grad = get(param)
+            if self.rank == 0:
+                grads[name] = None if grad is None else grad.detach().float().cpu().clone()
+        self.grads = grads
+
+    def step_end(self) -> None:
+        step = self.trainer.state.global_step
+        loss = torch.tensor([self.window], dtype=torch.float64, device=self.trainer.accelerator.device)
+        self.window = 0.0
+        if step not in self.steps:
+            self.grads = None
+            return
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        weights = {}
+        if self.deepspeed:
+            from deepspeed.utils import safe_get_full_fp32_param
+        for name, param in self.params():
+            value = safe_get_full_fp32_param(param) if self.deepspeed else param
+            if value is None:
+                value = param
+            if self.rank == 0:
+                weights[name] = value.detach().float().cpu().clone()
+        if self.rank == 0:
+            torch.save({"loss": loss.item(), "grads": self.grads, "weights": weights},
+                       os.path.join(self.scratch, f"{self.engine}_step{step}.pt"))
+        self.grads = None
+
+
+def install(trainer, recorder: Recorder) -> None:
+    from transformers import TrainerCallback
+
+    class Callback(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if not recorder.deepspeed:
+                recorder.capture_grads(lambda p: p.grad)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            recorder.step_end()
+
+    trainer.add_callback(Callback())
+    training_step = trainer.training_step
+
+    def recorded(model, inputs, num_items_in_batch=None):
+        loss = training_step(model, inputs, num_items_in_batch)
+        recorder.window += float(loss)
+        return loss
+
+    trainer.training_step = recorded
+    if recorder.deepspeed:  # Accelerate steps the engine inside the boundary backward: grads are read just before
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.utils import safe_get_full_grad
+
+        step = DeepSpeedEngine.step
+
+        def recorded_step(engine, *args, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                recorder.capture_grads(safe_get_full_grad)
+            return step(engine, *args, **kwargs)
+
+        DeepSpeedEngine.step = recorded_step
+
+
+def deepspeed_config(stage: int) -> dict:
+    # bf16 "auto": on with GRPOConfig(bf16=True), i.e. DeepSpeed's bf16 mode (bf16 weights and activations in the
+    # engine, fp32 master weights in the optimizer); off in --tiny (fp32).
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"}}
+
+
+def train(engine: str, scratch: str, cfg: dict) -> None:
+    import trl.trainer.grpo_trainer as trl_grpo
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+    from trainers import grpo as pf_grpo
+    from trainers.grouping import check_group_prompts
+
+    # Same rows in the same microbatches on every engine (as tests/ddp_worker.py): no row or group shuffle.
+    trl_grpo.shuffle_sequence_dict = lambda batch: batch
+    pf_grpo.shuffle_groups = lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1]
+
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    model = make_model(cfg)  # before the config: a live DeepSpeed config would make transformers init under zero.Init
+    tiny = cfg["tiny"]
+    common = dict(output_dir=os.path.join(scratch, engine), num_generations=cfg["n"],
+                  per_device_train_batch_size=cfg["global_rows"] // (cfg["gas"] * processes),
+                  gradient_accumulation_steps=cfg["gas"], max_completion_length=cfg["completion"],
+                  max_steps=max(cfg["steps"]), report_to="none", logging_steps=1, save_strategy="no",
+                  learning_rate=cfg["lr"], optim=cfg["optim"], lr_scheduler_type="constant", warmup_steps=0,
+                  weight_decay=0.0, max_grad_norm=0.0, seed=3, bf16=not tiny, use_cpu=tiny,
+                  ddp_backend="gloo" if tiny else "nccl", disable_tqdm=True, dataloader_num_workers=0)
+    if cfg["optim"] == "sgd":
+        common["optim_args"] = "momentum=0.9"
+    if engine.endswith(("zero2", "zero3")):
+        common["deepspeed"] = deepspeed_config(int(engine[-1]))
+    stock = engine == "baseline" or engine.startswith("stock")
+    if stock:
+        trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
+    else:
+        trainer_cls = PrefixFlowGRPOTrainer
+        args = PrefixFlowGRPOConfig(prefixflow_sp_size=2 if engine == "sp2" else 1, **common)
+    dataset = make_dataset(cfg["global_rows"] // cfg["n"] * max(cfg["steps"]) + 4, tuple(cfg["prompt"]), cfg["vocab"])
+    trainer = trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=make_tokenizer(cfg["vocab"]))
+    freeze_rollouts(trainer, cfg["completion"], cfg["vocab"])
+    recorder = Recorder(trainer, cfg["steps"], engine, scratch)
+    install(trainer, recorder)
+    start = time.perf_counter()
+    trainer.train()
+    if recorder.rank == 0:
+        print(json.dumps({"engine": engine, "train_s": round(time.perf_counter() - start, 2),
+                          "per_device_train_batch_size": args.per_device_train_batch_size,
+                          "processes": processes, "precision": precision(engine, tiny),
+                          "gpu": None if tiny else torch.cuda.get_device_name()}), flush=True)
+    if dist.is_initialized():  # an orderly teardown (gloo has aborted at interpreter exit after ZeRO-3)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def precision(engine: str, tiny: bool) -> str:
+    if tiny:
+        return "fp32"
+    if "zero" in engine:
+        return "DeepSpeed bf16 (bf16 weights/activations/grads in the engine, fp32 master weights)"
+    return "bf16 autocast over fp32 weights (Accelerate mixed_precision=bf16)"
+
+
+# -- SP capacity: the one-GPU full-sequence baseline vs Ulysses SP=2, low-level API ----------------------------------
+
+CAPACITY_SHAPES = {
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}
+
+
+class Budget(Exception):
+    pass
+
+
+def capacity(out_json: str, cfg: dict) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import hf_prefixflow
+    from hf_prefixflow.distributed import ulysses
+
+    tiny = cfg["tiny"]
+    device = torch.device("cpu") if tiny else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if not tiny:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if tiny else "nccl", timeout=datetime.timedelta(seconds=cfg["collective_timeout_s"]))
+    rank = dist.get_rank()
+    deadline = time.time() + cfg["budget_s"]
+    if not tiny:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * 2**30 / total), device)
+    config = Qwen3Config(max_position_embeddings=1 << 20, attn_implementation="sdpa", **CAPACITY_SHAPES[cfg["shape"]])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = hf_prefixflow.apply_prefixflow(model.train())
+    vocab, n, suffix = config.vocab_size, cfg["n"], cfg["suffix"]
+    result = {"shape": cfg["shape"], "N": n, "S": suffix, "cap_gib": None if tiny else cfg["cap_gib"],
+              "memory_cap": "torch.cuda.set_per_process_memory_fraction on every GPU" if not tiny else
+              f"simulated: --tiny raises OOM above {cfg['tiny_oom_tokens']} tokens per forward",
+              "precision": "fp32" if tiny else "bf16 weights and grads, no optimizer (fwd+bwd only, like speed.py)",
+              "checkpointing": "non-reentrant", "baseline_probes": [], "sp2": None}
+
+    def group(length: int):
+        gen = torch.Generator(device="cpu").manual_seed(length)
+        prompt = torch.randint(0, vocab, (length,), generator=gen).to(device)
+        return prompt, torch.randint(0, vocab, (n, suffix), generator=gen).to(device)
+
+    def loss_of(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+
+    def check_tiny(tokens: int):
+        if tiny and tokens > cfg["tiny_oom_tokens"]:
+            raise torch.cuda.OutOfMemoryError("simulated (--tiny)")
+
+    def baseline(prompt, suffixes):  # one [P || S_i] per forward, as TRL with batch 1; the probe runs one row
+        for s in suffixes[:1]:  # (rows run one after another, so the peak of one row is the group's peak)
+            check_tiny(len(prompt) + len(s))
+            logits = model(torch.cat([prompt, s])[None], logits_to_keep=len(s) + 1).logits[:, :-1]
+            loss_of(logits, s[None]).backward()
+
+    sp = ulysses.SequenceParallel()
+
+    def sp2(prompt, suffixes):  # the whole group as one padded wave, sharded over both GPUs
+        check_tiny((len(prompt) + n * suffix) // 2)
+        with ulysses.prefix_group(model, prompt, sp) as g:
+            out = g(suffixes, attention_mask=torch.ones_like(suffixes))
+            real = out.token_index >= 0
+            loss_of(out.logits[:, real], suffixes[:, out.token_index[real]]).backward()
+        ulysses.reduce_gradients(model, sp)
+
+    def measure(fn, length: int, repeats: int = 1) -> dict:
+        prompt, suffixes = group(length)
+        model.zero_grad(set_to_none=True)
+        if not tiny:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            times = []
+            for _ in range(repeats):
+                if not tiny:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                fn(prompt, suffixes)
+                if not tiny:
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+                model.zero_grad(set_to_none=True)
+            tokens = length + suffix if fn is baseline else length + n * suffix
+            row = {"P": length, "ok": True, "s": round(min(times), 4), "tokens": tokens,
+                   "tokens_per_s": round(tokens / min(times), 1)}
+        except torch.cuda.OutOfMemoryError:
+            row = {"P": length, "ok": False, "oom": True}
+        model.zero_grad(set_to_none=True)
+        if not tiny:
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            torch.cuda.empty_cache()
+        return row
+
+    def write():
+        if rank == 0:
+            with open(out_json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    # 1. Rank 0 alone: the full-sequence baseline, doubling then bisecting to the first length that does not fit.
+    if rank == 0:
+        fits, fails = None, None
+        length = cfg["start_prefix"]
+        while time.time() < deadline - cfg["reserve_s"] and length <= cfg["max_prefix"]:
+            row = measure(baseline, length)
+            result["baseline_probes"].append(row)
+            print(json.dumps({"baseline": row}), flush=True)
+            write()
+            if row["ok"]:
+                fits = length
+            else:
+                fails = length
+                break
+            length *= 2
+        while (fits and fails and fails - fits > cfg["precision_tokens"]
+               and time.time() < deadline - cfg["reserve_s"]):
+            mid = (fits + fails) // 2 // cfg["granularity"] * cfg["granularity"]
+            if not fits < mid < fails:
+                break
+            row = measure(baseline, mid)
+            result["baseline_probes"].append(row)
+            print(json.dumps({"baseline": row}), flush=True)
+            write()
+            fits, fails = (mid, fails) if row["ok"] else (fits, mid)
+        result["baseline_largest_fitting_P"], result["baseline_smallest_oom_P"] = fits, fails
+        target = torch.tensor([fails or 0, fits or 0], dtype=torch.long, device=device)
+    else:
+        target = torch.zeros(2, dtype=torch.long, device=device)
+    dist.broadcast(target, 0)
+    oom_length, fit_length = target.tolist()
+    # 2. Both ranks: SP=2 at two short lengths (a linear fit of the per-rank peak), then at the length that OOMed the
+    # baseline if the fit says it fits under the cap, else at the longest length the fit allows (an OOM inside a
+    # collective would hang the other rank until the timeout, so nothing runs where the fit says it would not fit).
+    length = oom_length or (fit_length * 2 if fit_length else cfg["start_prefix"])
+    probe_length = max(cfg["start_prefix"] // 4, 256)
+    probes = [measure(sp2, probe_length), measure(sp2, 2 * probe_length)]
+    ok = torch.tensor([int(all(p["ok"] for p in probes))], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    result["sp2_probes"] = probes
+    result["sp2_target_P"], predicted = length, None
+    if not tiny and ok.item():
+        peaks = torch.tensor([p["peak_gib"] for p in probes], device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        base, slope = peaks[0].item(), (peaks[1] - peaks[0]).item() / probe_length
+        predicted = base + slope * (length - probe_length)
+        result["sp2_gib_per_1k_prefix_tokens"] = round(slope * 1024, 4)
+        if predicted > cfg["cap_gib"] * 0.95 and slope > 0:  # the longest prefix the fit allows, with a margin
+            allowed = probe_length + (cfg["cap_gib"] * 0.9 - base) / slope
+            result["sp2_target_P"] = length = max(2 * probe_length, int(allowed) // 1024 * 1024)
+            result["sp2_target_reason"] = "the fit says the baseline's OOM length does not fit: longest that does"
+            predicted = base + slope * (length - probe_length)
+    result["sp2_predicted_peak_gib_at_target"] = None if predicted is None else round(predicted, 2)
+    go = bool(ok.item()) and time.time() < deadline - 5
+    go_t = torch.tensor([int(go)], device=device)
+    dist.all_reduce(go_t, op=dist.ReduceOp.MIN)
+    if go_t.item():
+        row = measure(sp2, length, repeats=2 if time.time() < deadline - cfg["reserve_s"] else 1)
+        if not tiny:
+            peak = torch.tensor([row.get("peak_gib", 0.0)], device=device)
+            peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+            dist.all_gather(peaks, peak)
+            row["peak_gib_per_gpu"] = [round(p.item(), 2) for p in peaks]
+        result["sp2"] = row
+    else:
+        result["sp2"] = {"P": length, "ok": False, "skipped": "short SP probes failed, or out of time"}
+    result["sp2_trains_where_baseline_ooms"] = bool(oom_length and result["sp2"].get("ok") and length == oom_length)
+    print(json.dumps({"sp2": result["sp2"]}), flush=True)
+    write()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, name, path, cfg_json = sys.argv[1:5]
+    if mode == "train":
+        train(name, path, json.loads(cfg_json))
+    else:
+        capacity(path, json.loads(cfg_json))

@@ -1,0 +1,143 @@
+"""FSDP2 rule: every backward of a window accumulates unreduced; the boundary's last prefix backward reduces them all.
+
+FSDP2 (`fully_shard`) hooks a unit's forward: all-gather before it, free the gathered weights after it, and register
+a pre-backward hook on its outputs that gathers them again. Three things break with the three-phase schedule:
+
+- Phase A runs only the decoder. Its units would lazily initialise as FSDP roots of their own, and a grouped unit
+  (Accelerate shards the final norm with the LM head) would be left half-run. So Phase A runs the FSDP root, whose
+  LM head scores one token (`logits_to_keep=1`) that nothing reads.
+- Phase C enters each layer at its prefix K/V, not at its output, so the unit's pre-backward hook never fires for
+  the last layer (whose freed weights it would then read) and only by autograd's ordering for the others. So each
+  cached K/V (and MoE router logits) enters the backward through its unit's own pre-backward hook.
+- FSDP reduce-scatters a unit in each of its post-backwards while gradient sync is on, and its root callback at the
+  end of a backward runs the post-backward of every unit the backward did not reach. So sync is off for every
+  backward but the boundary's last prefix backward (the trainer closes the other open groups just before it): that
+  one reduces each unit once, everything the window accumulated in it, the LM head (which Phase C never reaches)
+  included. Reduce-scatter is linear and FSDP adds its output into the sharded gradient, so this is exact.
+
+Every rank then runs the same collectives as long as it runs the same forwards and backwards: `check_same_schedule`
+turns a mismatch into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+from ..errors import PrefixFlowError
+from ..kv_cache import TrainingKVCache
+from ..model import decoder_of
+
+
+def units(model: torch.nn.Module) -> list[FSDPModule]:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def check_config(accelerator, model: torch.nn.Module) -> None:
+    """Refuse FSDP1: its rule (flat parameters, reductions inside each backward) is neither written nor tested."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if (plugin is not None and plugin.fsdp_version != 2) or any(
+        isinstance(module, FullyShardedDataParallel) for module in model.modules()
+    ):
+        raise PrefixFlowError(
+            "PrefixFlow supports FSDP2 (fully_shard), not FSDP1. Set `fsdp_version: 2` in the Accelerate config "
+            "(examples/accelerate/fsdp2.yaml) or fsdp_config={'version': 2} in the training arguments."
+        )
+
+
+def prefix_forward(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """The module Phase A runs over the prefix and its extra keyword arguments: the decoder, or the FSDP2 root."""
+    if isinstance(model, FSDPModule):
+        return model, {"logits_to_keep": 1}
+    if units(model):
+        raise PrefixFlowError(
+            f"{type(model).__name__} holds FSDP2 units but is not the FSDP root: open prefix groups on the module "
+            "fully_shard was applied to last (the one the trainer forwards)."
+        )
+    return decoder_of(model), {}
+
+
+def enter_through_units(model: torch.nn.Module, cache: TrainingKVCache) -> None:
+    """Make each live prefix tensor run its FSDP unit's pre-backward hook (gather, queue the reduction) in Phase C."""
+    if not isinstance(model, FSDPModule):
+        return
+    by_layer = _units_by_layer(model)
+    for layer_idx, tensors in _live_by_layer(cache).items():
+        for unit in by_layer.get(layer_idx, [model]):
+            state = unit._get_fsdp_state()  # the hook FSDP registers on every unit output
+            for tensor in tensors:
+                if tensor.requires_grad:
+                    tensor.register_hook(state._pre_backward)
+
+
+def _live_by_layer(cache: TrainingKVCache) -> dict[int, list[torch.Tensor]]:
+    live = {idx: [entry.key.live, entry.value.live] for idx, entry in cache.layers.items()}
+    for idx, logits in cache.router_logits.items():
+        live.setdefault(idx, []).append(logits.live)
+    return live
+
+
+def _units_by_layer(model: torch.nn.Module) -> dict[int, list[FSDPModule]]:
+    """Layer index -> the innermost FSDP units around modules with that `layer_idx` (attention, routers)."""
+    found: dict[int, list[FSDPModule]] = {}
+
+    def walk(module: torch.nn.Module, unit: FSDPModule) -> None:
+        unit = module if isinstance(module, FSDPModule) else unit
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and unit not in found.setdefault(idx, []):
+            found[idx].append(unit)
+        for child in module.children():
+            walk(child, unit)
+
+    walk(model, model)
+    return found
+
+
+@contextlib.contextmanager
+def local_gradients(model: torch.nn.Module) -> Iterator[None]:
+    """Accumulate every backward inside unreduced (FSDP2's `no_sync`); nothing for a model without FSDP2 units."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def reducing(model: torch.nn.Module) -> Iterator[None]:
+    """Inside `local_gradients`: the backward run here (the boundary's last prefix backward) reduces every unit."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(True)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(False)
+
+
+def check_same_schedule(model: torch.nn.Module, what: str, counts: list[int]) -> None:
+    """Every rank must run the same forwards and backwards (each gathers or reduces): compare `counts` across ranks."""
+    if not (isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    mine = torch.tensor(counts, dtype=torch.int64, device=_device(model))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    if any(not torch.equal(other, mine) for other in gathered):
+        per_rank = ", ".join(f"rank {r}: {t.tolist()}" for r, t in enumerate(gathered))
+        raise PrefixFlowError(
+            f"under FSDP2 every rank must run the same forwards and backwards, but {what} differ ({per_rank}); "
+            "FSDP's all-gathers and reduce-scatters would mismatch. Causes: a prompt repeated within one "
+            "process's batch (its rows merge into one group), or one-token prompts (they train on the plain path)."
+        )
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
