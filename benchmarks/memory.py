@@ -129,7 +129,7 @@ def baseline_step(model, prompt, suffixes, wave: int, mark: Callable[[str | None
     for start in range(0, len(suffixes), wave):
         batch = torch.stack(suffixes[start : start + wave])
         ids = torch.cat([prompt.expand(len(batch), -1), batch], dim=1)
-        logits = model(ids, logits_to_keep=batch.shape[1] + 1).logits[:, :-1]
+        logits = model(ids, logits_to_keep=batch.shape[1] + 1, use_cache=False).logits[:, :-1]
         suffix_loss(logits, batch).backward()
     mark("step")
 

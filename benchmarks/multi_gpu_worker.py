@@ -311,7 +311,8 @@ def capacity(out_json: str, cfg: dict) -> None:
     def baseline(prompt, suffixes):  # one [P || S_i] per forward, as TRL with batch 1; the probe runs one row
         for s in suffixes[:1]:  # (rows run one after another, so the peak of one row is the group's peak)
             check_tiny(len(prompt) + len(s))
-            logits = model(torch.cat([prompt, s])[None], logits_to_keep=len(s) + 1).logits[:, :-1]
+            ids = torch.cat([prompt, s])[None]
+            logits = model(ids, logits_to_keep=len(s) + 1, use_cache=False).logits[:, :-1]
             loss_of(logits, s[None]).backward()
 
     sp = ulysses.SequenceParallel()

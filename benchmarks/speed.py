@@ -56,7 +56,7 @@ def suffix_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def baseline_group(model, prompt, suffixes) -> None:
     for suffix in suffixes:
         ids = torch.cat([prompt, suffix])[None]
-        logits = model(ids, logits_to_keep=len(suffix) + 1).logits[:, :-1]
+        logits = model(ids, logits_to_keep=len(suffix) + 1, use_cache=False).logits[:, :-1]
         suffix_loss(logits, suffix[None]).backward()
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The cost model: a group is shared when its FLOP bound reaches this. On an H200 PrefixFlow realises 93-100% of the
+# bound (benchmarks/results/latest.md), so the gain is about 0.95x the bound and below ~1.1 it would not pay.
+MIN_SPEEDUP = 1.1
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -54,3 +58,7 @@ class ModelShape:
     def bound(self, prefix: int, suffixes: list[int]) -> float:
         """The FLOP bound on the speedup of one group."""
         return self.full_sequence(prefix, suffixes) / self.prefixflow(prefix, suffixes)
+
+    def pays(self, prefix: int, suffixes: list[int], min_speedup: float = MIN_SPEEDUP) -> bool:
+        """The cost model's verdict: share this group's prefix, or train its rows on the plain path."""
+        return self.bound(prefix, suffixes) >= min_speedup

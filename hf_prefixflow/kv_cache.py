@@ -54,6 +54,11 @@ class TrainingKVCache:
         self.prefix_length = prefix_length
         self.layers: dict[int, LayerKV] = {}
         self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
+        # The prefix forward's output. Under engines that hook module outputs, Phase C also starts there with a zero
+        # gradient, so every module of the prefix enters the backward through its output first (DeepSpeed ZeRO-3
+        # gathers a module's weights there, and asserts it did once a module's inputs receive gradients: without
+        # it the last layer, whose output Phase C never reaches otherwise, fails under transformers 5.17).
+        self.anchor: torch.Tensor | None = None
 
     def capture(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Record a layer's live prefix K/V. Idempotent: a checkpoint recompute in Phase C must not replace them."""
@@ -91,15 +96,20 @@ class TrainingKVCache:
             tensor.release()
         self.layers.clear()
         self.router_logits.clear()
+        self.anchor = None
 
 
-def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward) -> int:
+def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward, from_outputs: bool = False) -> int:
     """Phase C: inject every cache's gK/gV into its live prefix K/V and run one backward through all prefix graphs.
 
     `backward(outputs, grads)` defaults to autograd's; an engine that must own the backward (DeepSpeed) passes its
-    own, e.g. one scalar `sum((output * grad).sum())` whose gradient is exactly `grads`.
+    own, e.g. one scalar `sum((output * grad).sum())` whose gradient is exactly `grads`. `from_outputs` also starts
+    the backward at each prefix forward's output with a zero gradient (see `TrainingKVCache.anchor`).
     """
     pending = [t for cache in caches for t in cache.pending()]
-    if pending:
-        backward([t.live for t in pending], [t.grad.to(t.live.dtype) for t in pending])
+    if not pending:
+        return 0
+    anchors = [c.anchor for c in caches if from_outputs and c.anchor is not None and c.pending()]
+    backward([t.live for t in pending] + anchors,
+             [t.grad.to(t.live.dtype) for t in pending] + [torch.zeros_like(a) for a in anchors])
     return len(pending)

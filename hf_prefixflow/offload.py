@@ -3,9 +3,11 @@
 Phase B reads only the prefix K/V; every other tensor the prefix forward saves for its backward is dormant until
 Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the prefix forward: each saved tensor
 (not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
-forward goes on, and its device memory is released. In Phase C autograd unpacks them in about reverse order; each
-unpack starts copying the next ones back ahead of need, and a tensor that is not back yet is loaded on demand, so
-correctness never depends on overlap. On a CPU device the same hooks copy into the host pool (a stand-in that
+forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
+and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
+copying the next ones back, up to `PREFETCH_BYTES` ahead of need, and a tensor that is not back yet is loaded on
+demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C
+holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that
 exercises the bookkeeping).
 """
 
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import weakref
+
 import torch
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
-PREFETCH_AHEAD = 4
+PREFETCH_BYTES = 2 << 30  # about two decoder layers of a long prefix: enough to hide a copy behind a layer's backward
 
 
 class HostPool:
@@ -50,7 +54,13 @@ class Offloaded:
     copied: object = None  # event that marks the device-to-host copy done
     device_copy: torch.Tensor | None = None
     ready: object = None  # event that marks the host-to-device copy done
+    saves: int = 1  # how many saved-tensor slots share this copy
+    unpacked: int = 0
     loaded_on_demand: bool = field(default=False)
+
+    @property
+    def consumed(self) -> bool:
+        return self.unpacked >= self.saves
 
 
 def _is_parameter_cast(tensor: torch.Tensor) -> bool:
@@ -59,6 +69,15 @@ def _is_parameter_cast(tensor: torch.Tensor) -> bool:
     return type(fn).__name__ == "ToCopyBackward0" and any(
         type(next_fn).__name__ == "AccumulateGrad" for next_fn, _ in fn.next_functions if next_fn is not None
     )
+
+
+def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The tensor's base and a key for its values: ops that read one input save views of it (each linear layer
+    folds it to 2D), which match while the base lives and is unmodified (the version counter)."""
+    base = tensor._base if tensor._base is not None else tensor
+    key = (id(base), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+           tensor._version)
+    return base, key
 
 
 class PrefixOffload:
@@ -73,6 +92,7 @@ class PrefixOffload:
         self.entries: list[Offloaded] = []
         self.caches: list = []  # training-time KV caches whose live tensors stay on the device
         self.offloaded_bytes = 0
+        self._saved: dict[tuple, tuple[weakref.ref, Offloaded]] = {}  # see `_identity`
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -91,6 +111,11 @@ class PrefixOffload:
     def _pack(self, tensor: torch.Tensor):
         if not self._eligible(tensor):
             return tensor
+        base, key = _identity(tensor)
+        seen = self._saved.get(key)
+        if seen is not None and seen[0]() is base:  # the same values saved again: share their copy
+            seen[1].saves += 1
+            return seen[1]
         nbytes = tensor.numel() * tensor.element_size()
         host = self.pool.take(nbytes)
         entry = Offloaded(len(self.entries), host, tensor.shape, tensor.dtype, tensor.device)
@@ -105,22 +130,34 @@ class PrefixOffload:
                 entry.copied = torch.cuda.Event()
                 entry.copied.record(self.stream)
         self.entries.append(entry)
+        self._saved[key] = (weakref.ref(base), entry)
         self.offloaded_bytes += nbytes
         return entry
 
     def _unpack(self, packed):
         if not isinstance(packed, Offloaded):
             return packed
-        for ahead in range(1, PREFETCH_AHEAD + 1):  # autograd walks the prefix graph backwards
-            if packed.index - ahead >= 0:
-                self._prefetch(self.entries[packed.index - ahead])
+        self._prefetch_before(packed.index)  # autograd walks the prefix graph backwards
         if packed.device_copy is None:
             packed.loaded_on_demand = True
             self._prefetch(packed)
+        restored = packed.device_copy
         if packed.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(packed.ready)
-            packed.device_copy.record_stream(torch.cuda.current_stream(self.device))
-        return packed.device_copy
+            restored.record_stream(torch.cuda.current_stream(self.device))
+        packed.unpacked += 1
+        if packed.consumed:  # autograd holds it as long as it needs it; we no longer do
+            packed.device_copy = None
+        return restored
+
+    def _prefetch_before(self, index: int) -> None:
+        ahead = 0
+        for entry in reversed(self.entries[:index]):
+            if ahead >= PREFETCH_BYTES:
+                break
+            if not entry.consumed:
+                self._prefetch(entry)
+                ahead += entry.host.numel()
 
     def _prefetch(self, entry: Offloaded) -> None:
         if entry.device_copy is not None:
@@ -145,3 +182,4 @@ class PrefixOffload:
             entry.device_copy = None
         self.entries = []
         self.caches = []
+        self._saved = {}

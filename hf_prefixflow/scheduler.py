@@ -142,6 +142,8 @@ class PrefixGroup:
             )
         if self.trains:
             fsdp.enter_through_units(self.model, self.cache)
+            if hidden.requires_grad:
+                self.cache.anchor = hidden
 
     def _offloader(self) -> PrefixOffload | None:
         """A saved-tensor offloader for this prefix forward, sharing the model's host pool across groups."""
@@ -263,13 +265,14 @@ class GroupSession:
         self.groups.append(group)
         return group
 
-    def close(self, groups: list[PrefixGroup] | None = None, backward=None) -> int:
+    def close(self, groups: list[PrefixGroup] | None = None, backward=None, from_outputs: bool = False) -> int:
         """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them.
-        `backward(outputs, grads)` replaces autograd's (see `kv_cache.delayed_backward`); returns the tensors fed."""
+        `backward(outputs, grads)` replaces autograd's and `from_outputs` also starts it at the prefix outputs (see
+        `kv_cache.delayed_backward`); returns the tensors fed."""
         closing = list(self.groups) if groups is None else list(groups)
         caches = [g.cache for g in closing if g._needs_prefix_backward()]
         try:
-            return delayed_backward(caches, backward) if backward else delayed_backward(caches)
+            return delayed_backward(caches, backward or torch.autograd.backward, from_outputs)
         finally:
             for group in closing:
                 group._release()

@@ -1,5 +1,7 @@
 """Prefix activation offload: gradients with it on equal those with it off; buffers return to the pool."""
 
+import weakref
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -44,18 +46,24 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
     assert sum(len(v) for v in pool.free.values()) > 0 and pool.allocated_bytes >= offload.offloaded_bytes
 
 
+def _recorded_packs(monkeypatch) -> list:
+    """(saved tensor, what the offloader packed it as) for every save while the hooks are on."""
+    packs = []
+    pack = hf_prefixflow.offload.PrefixOffload._pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+                        lambda self, t: packs.append((t, pack(self, t))) or packs[-1][1])
+    return packs
+
+
 def test_offload_skips_parameters_and_the_cached_kv(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
     group = random_group(gen, prefix=(10, 16), n=(2, 3))
-    seen = []
-    pack = hf_prefixflow.offload.PrefixOffload._pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
-                        lambda self, t: seen.append((t, self._eligible(t))) or pack(self, t))
+    packs = _recorded_packs(monkeypatch)
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
         live = {id(t.live) for t in g.cache.tensors()}
         params = {id(p) for p in model.parameters()}
-        offloaded = [t for t, eligible in seen if eligible]
+        offloaded = [t for t, packed in packs if isinstance(packed, hf_prefixflow.offload.Offloaded)]
         assert offloaded and not any(id(t) in live | params for t in offloaded)
         g(group.suffixes[0][None]).logits.sum().backward()
     second = hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes
@@ -111,3 +119,46 @@ def test_checkpointed_layer_inputs_are_offloaded(monkeypatch):
     assert len(phase_a_inputs) == layers and all(id(t) in offloaded for t in phase_a_inputs)
     for name, grad in gradients(model).items():
         assert_rel_close(grad, expected[name], name, rtol=1e-12)
+
+
+def test_restored_tensors_die_after_use(monkeypatch):
+    """Restored tensors must not outlive their last use: held until the end of Phase C, they would put the whole
+    prefix activation stack back on the device at once."""
+    gen = torch.Generator().manual_seed(2)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
+    group = random_group(gen, prefix=(12, 16), n=(2, 3))
+    restored, alive_at_release, offloads = [], [], []
+    offload_cls = hf_prefixflow.offload.PrefixOffload
+    unpack, release = offload_cls._unpack, offload_cls.release
+
+    def tracking_unpack(self, packed):
+        out = unpack(self, packed)
+        if isinstance(packed, hf_prefixflow.offload.Offloaded):
+            restored.append((weakref.ref(out), packed))
+        return out
+
+    def checking_release(self):
+        offloads.append(self)
+        # A copy shared by saves whose backward never runs (the last layer's query path) waits for release.
+        alive_at_release.extend(ref for ref, entry in restored if ref() is not None and entry.consumed)
+        release(self)
+
+    monkeypatch.setattr(offload_cls, "_unpack", tracking_unpack)
+    monkeypatch.setattr(offload_cls, "release", checking_release)
+    prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    (offload,) = offloads
+    assert restored and offload.offloaded_bytes > 0
+    assert not alive_at_release, f"{len(alive_at_release)} of {len(restored)} restored tensors outlived Phase C"
+
+
+def test_shared_saves_are_counted(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
+    group = random_group(gen, prefix=(12, 16), n=(1, 1))
+    packs = _recorded_packs(monkeypatch)
+    with hf_prefixflow.prefix_group(model, group.prefix) as g:
+        entries = [e for _, e in packs if isinstance(e, hf_prefixflow.offload.Offloaded)]
+        copies = {id(e): e for e in entries}
+        assert len(copies) < len(entries)
+        assert any(e.saves >= 3 for e in copies.values())  # q, k and v projections read one layer input
+        g(group.suffixes[0][None]).logits.sum().backward()

@@ -62,7 +62,7 @@ def sp_backward(model, sp, group: eq.Group, waves, mode: str) -> float:
 def main(mode: str) -> None:
     dist.init_process_group("gloo")
     if mode == "no_phase_c":
-        scheduler.delayed_backward = lambda caches: 0
+        scheduler.delayed_backward = lambda caches, *args: 0
     sp = ulysses.SequenceParallel()
     reference = build("qwen3").train()  # 4 query and 2 key/value heads: one KV head per rank
     candidate = hf_prefixflow.apply_prefixflow(build("qwen3").train())

@@ -24,7 +24,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
 from hf_prefixflow.distributed import data_parallel, fsdp, zero
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
 from hf_prefixflow.model import unwrap
 
 from . import routing, sequence_parallel
@@ -43,10 +43,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
     prefixflow_layout: str = field(
         default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
     prefixflow_min_speedup: float = field(
-        default=1.1, metadata={"help": "groups whose FLOP bound is below this train on the plain path (logged); "
-                                       "on an H200 PrefixFlow reaches 93-100% of the bound, so the measured gain "
-                                       "is about 0.95x the bound and below ~1.1 it would not pay "
-                                       "(benchmarks/results/latest.md)"})
+        default=MIN_SPEEDUP, metadata={"help": "groups whose FLOP bound is below this train on the plain path "
+                                               "(logged and counted); see hf_prefixflow.flops.MIN_SPEEDUP"})
     prefixflow_scoring: bool = field(
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
     prefixflow_routing_replay: bool = field(
@@ -280,8 +278,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         lengths = completion_mask.sum(dim=1).tolist()
         shared, fallback = [], []
         for group in groups:
-            bound = self._shape.bound(len(group.prefix_ids), [int(lengths[r]) for r in group.rows])
-            if (every_group or bound >= self.prefixflow_min_speedup) and len(group.prefix_ids) > 1:
+            pays = self._shape.pays(len(group.prefix_ids), [int(lengths[r]) for r in group.rows],
+                                    self.prefixflow_min_speedup)
+            if (every_group or pays) and len(group.prefix_ids) > 1:
                 shared.append(group)
             else:
                 fallback += group.rows
@@ -418,7 +417,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     def _reducing_phase_c(self, session: GroupSession) -> int:
         """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
         if self._deepspeed:
-            return session.close(backward=zero.boundary_backward(self.accelerator))
+            return session.close(backward=zero.boundary_backward(self.accelerator), from_outputs=True)
         if not session.groups:
             return 0
         # FSDP2 reduces a unit in each post-backward: one prefix graph reaches each unit once, so close the others
