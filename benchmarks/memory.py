@@ -5,7 +5,8 @@ offload, step times, and the capacity frontier.
     PYTHONPATH=. python benchmarks/memory.py --tiny --out /tmp/mem  # CPU smoke run of every code path
 
 Setup, the same for every mode: one model object (speed.py's `build`: the Qwen3-1.7B shape from config, bf16
-weights and gradients, SDPA, full-parameter, no activation checkpointing) and speed.py's loss on suffix tokens.
+weights and gradients, SDPA, full-parameter, activation checkpointing only with --checkpointing) and speed.py's loss
+on suffix tokens.
 A *step* is one group, gradients set to None before it (as after an optimizer step), no optimizer step:
   baseline    N rows [P || S_i] forward+backward, --wave rows per forward, logits only for suffix tokens;
   PrefixFlow  Phase A (prefix forward), N suffix waves of --wave rows forward+backward, Phase C.
@@ -13,9 +14,9 @@ Peaks are torch.cuda.max_memory_allocated, weights and gradients included (`stat
 program order, so the Phase-B peak is the statistic reset when Phase A returns and read before Phase C, with no
 synchronisation that would change the timing (a tensor waiting for its offload copy counts as freed; the
 allocator waits for such copies before it reports out-of-memory, so the frontier search sees their cost).
-No checkpointing: with per-layer checkpointing the prefix keeps only each layer's input (offloaded as well, see
-tests/test_offload.py) while its K/V and fp32 gK/gV are 3x that, so little dormant state is left to move; the
-paper's default, selective checkpointing, lies between the two.
+No checkpointing by default: with per-layer checkpointing the prefix keeps only each layer's input (offloaded as
+well, see tests/test_offload.py) while its K/V and fp32 gK/gV are 3x that, so little dormant state is left to move
+(and offload costs little); the paper's default, selective checkpointing, lies between the two.
 
  1. fixed total: --total tokens split as --splits, N=--n; a warm-up step per (split, mode), then --repeats
     timed steps at --timed-split and --repeats-other elsewhere (time: median; peaks: the last step).
@@ -69,6 +70,8 @@ class Bench:
         if missing:
             raise SystemExit(f"this torch lacks {missing}, which bound the pinned host pool between steps")
         self.model = build_tiny() if args.tiny else build(args.model)
+        if args.checkpointing:  # baseline and PrefixFlow alike
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab = self.model.config.vocab_size
         self.started = time.monotonic()
         self.deadline = self.started + args.deadline_s
@@ -376,7 +379,8 @@ def write(report: dict, out: pathlib.Path) -> None:
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"`{c['command']}` on {c['device']}, torch {c['torch']}, transformers {c['transformers']}, {c['date']}",
-             "", f"Model {c['model']} ({c['dtype']}, sdpa, no checkpointing, full-parameter, no optimizer step); weights + "
+             "", f"Model {c['model']} ({c['dtype']}, sdpa, {'' if c.get('checkpointing') else 'no '}checkpointing, "
+             f"full-parameter, no optimizer step); weights + "
              f"gradients = {c['static_gib']} GiB in every peak. Step = one group (baseline: N rows [P||S_i] fwd+bwd; "
              f"PrefixFlow: Phase A + N suffix waves + Phase C), wave {c['wave']}.", "",
              "| P / S | N | offload | baseline peak GiB | Phase B peak GiB | reduction | A / C peak GiB | "
@@ -454,6 +458,7 @@ def main() -> None:
     parser.add_argument("--host-budget-gib", type=float, default=48.0, help="largest pinned pool a trial may need")
     parser.add_argument("--deadline-s", type=float, default=480.0, help="no new step starts after this")
     parser.add_argument("--sections", default="fixed,frontier,long")
+    parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()

@@ -205,7 +205,8 @@ def train(engine: str, scratch: str, cfg: dict) -> None:
 
     # Same rows in the same microbatches on every engine (as tests/ddp_worker.py): no row or group shuffle.
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1]
+    pf_grpo.shuffle_groups = (
+        lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
 
     processes = int(os.environ.get("WORLD_SIZE", 1))
     model = make_model(cfg)  # before the config: a live DeepSpeed config would make transformers init under zero.Init

@@ -4,8 +4,10 @@
 unless a forward carries a pass marker in its kwargs (transformers hands model kwargs to attention unfiltered, and
 checkpointing binds them, so a recompute sees the same marker):
 - `PrefixPass` (Phase A): plain causal attention through `X`, plus an idempotent capture of the post-RoPE K/V.
-- `SuffixPass` (Phase B): suffix queries attend to `[cached prefix K/V ; suffix K/V]` under the wave's visibility
-  mask, expressed in the form `X` takes (bottom-right causal bias, boolean or additive mask, or a flex BlockMask).
+- `SuffixPass` (Phase B): suffix queries attend to the cached prefix K/V and their own. A padded `sdpa` wave with no
+  window, softcap or sinks runs `split_attention` (the cache read in place, merged by log-sum-exp); any other wave
+  attends to `[cached prefix K/V ; suffix K/V]` under its visibility mask, in the form `X` takes (bottom-right
+  causal bias, boolean or additive mask, or a flex BlockMask).
 Every call also hands this layer's MoE routes, if the forward carries any, to the router that runs next.
 """
 

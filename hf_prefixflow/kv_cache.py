@@ -54,10 +54,10 @@ class TrainingKVCache:
         self.prefix_length = prefix_length
         self.layers: dict[int, LayerKV] = {}
         self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
-        # The prefix forward's output. Under engines that hook module outputs, Phase C also starts there with a zero
-        # gradient, so every module of the prefix enters the backward through its output first (DeepSpeed ZeRO-3
-        # gathers a module's weights there, and asserts it did once a module's inputs receive gradients: without
-        # it the last layer, whose output Phase C never reaches otherwise, fails under transformers 5.17).
+        # The prefix forward's output, set under engines that gather weights in hooks on module outputs (ZeRO-3,
+        # FSDP2): Phase C then also starts there with a zero gradient, so every module enters the backward through
+        # its output, the last layer's included (Phase C would otherwise reach it only at its K/V: ZeRO-3 fails
+        # its "active_backward_submodules" assertion under transformers 5.17, FSDP2 reads freed weights).
         self.anchor: torch.Tensor | None = None
 
     def capture(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -99,17 +99,17 @@ class TrainingKVCache:
         self.anchor = None
 
 
-def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward, from_outputs: bool = False) -> int:
+def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward) -> int:
     """Phase C: inject every cache's gK/gV into its live prefix K/V and run one backward through all prefix graphs.
 
     `backward(outputs, grads)` defaults to autograd's; an engine that must own the backward (DeepSpeed) passes its
-    own, e.g. one scalar `sum((output * grad).sum())` whose gradient is exactly `grads`. `from_outputs` also starts
-    the backward at each prefix forward's output with a zero gradient (see `TrainingKVCache.anchor`).
+    own, e.g. one scalar `sum((output * grad).sum())` whose gradient is exactly `grads`. A cache's `anchor`, if set,
+    joins the outputs with a zero gradient.
     """
     pending = [t for cache in caches for t in cache.pending()]
     if not pending:
         return 0
-    anchors = [c.anchor for c in caches if from_outputs and c.anchor is not None and c.pending()]
+    anchors = [c.anchor for c in caches if c.anchor is not None and c.pending()]
     backward([t.live for t in pending] + anchors,
              [t.grad.to(t.live.dtype) for t in pending] + [torch.zeros_like(a) for a in anchors])
     return len(pending)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass, is_wrapped
-from .distributed import fsdp
+from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
@@ -140,10 +140,8 @@ class PrefixGroup:
                 "activation checkpointing (or a custom checkpoint function) detached them. Use non-reentrant "
                 "checkpointing: gradient_checkpointing_kwargs={'use_reentrant': False}."
             )
-        if self.trains:
-            fsdp.enter_through_units(self.model, self.cache)
-            if hidden.requires_grad:
-                self.cache.anchor = hidden
+        if self.trains and hidden.requires_grad and (fsdp.units(self.model) or zero.partitions_weights(self.model)):
+            self.cache.anchor = hidden  # these engines gather weights in hooks on module outputs: see `anchor`
 
     def _offloader(self) -> PrefixOffload | None:
         """A saved-tensor offloader for this prefix forward, sharing the model's host pool across groups."""
@@ -156,6 +154,13 @@ class PrefixGroup:
         offload = PrefixOffload(device, pool)
         offload.caches.append(self.cache)
         return offload
+
+    def _adopt(self, cache: TrainingKVCache) -> None:
+        """Open on prefix K/V computed by another rank's Phase A (`distributed.placement`): the waves read `cache`,
+        whose leaves have no prefix graph behind them here, so closing this group runs no Phase C."""
+        if self.state != "new":
+            raise PrefixFlowError("a prefix group is opened once; open a new one for the next prompt.")
+        self.state, self.trains, self.cache = "open", torch.is_grad_enabled(), cache
 
     # -- Phase B ---------------------------------------------------------------------------------------------
 
@@ -265,14 +270,21 @@ class GroupSession:
         self.groups.append(group)
         return group
 
-    def close(self, groups: list[PrefixGroup] | None = None, backward=None, from_outputs: bool = False) -> int:
+    def adopt(self, group: PrefixGroup, cache: TrainingKVCache) -> PrefixGroup:
+        """Open `group` on another rank's prefix K/V (`cache`) instead of running Phase A here."""
+        if _sessions.get(self._inner) is not self:
+            raise PrefixFlowError("this session is not open; use it as `with GroupSession(model) as session:`.")
+        group._adopt(cache)
+        self.groups.append(group)
+        return group
+
+    def close(self, groups: list[PrefixGroup] | None = None, backward=None) -> int:
         """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them.
-        `backward(outputs, grads)` replaces autograd's and `from_outputs` also starts it at the prefix outputs (see
-        `kv_cache.delayed_backward`); returns the tensors fed."""
+        `backward(outputs, grads)` replaces autograd's (see `kv_cache.delayed_backward`); returns the tensors fed."""
         closing = list(self.groups) if groups is None else list(groups)
         caches = [g.cache for g in closing if g._needs_prefix_backward()]
         try:
-            return delayed_backward(caches, backward or torch.autograd.backward, from_outputs)
+            return delayed_backward(caches, backward) if backward else delayed_backward(caches)
         finally:
             for group in closing:
                 group._release()

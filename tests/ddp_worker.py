@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py {stock|prefixflow} OUT_DIR ENGINE
 
-ENGINE: ddp, zero1, zero2, zero3 (DeepSpeed ZeRO at that stage) or fsdp2 (FSDP2 through Accelerate).
+ENGINE: ddp, zero1, zero2, zero3 (DeepSpeed ZeRO at that stage), fsdp2 (FSDP2 through Accelerate) or ddp_split
+(DDP with one microbatch per step and two rows per process, so every group of four straddles the two processes).
 """
 
 import os
@@ -46,6 +47,8 @@ def fsdp_on_cpu() -> None:
 
 def engine_args(engine: str) -> dict:
     """The GRPOConfig arguments that select `engine` (DDP needs none beyond gloo)."""
+    if engine == "ddp_split":
+        return {"gradient_accumulation_steps": 1}  # steps_per_generation follows: 2 rows of a group per process
     if engine.startswith("zero"):
         return {"deepspeed": deepspeed_config(int(engine[-1]))}
     if engine.startswith("fsdp"):
@@ -56,14 +59,15 @@ def engine_args(engine: str) -> dict:
 def main(name: str, out: str, engine: str) -> None:
     # Same rows in the same microbatches for both trainers (normalisers depend on composition).
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1]
+    pf_grpo.shuffle_groups = (
+        lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
     trainer_cls = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}[name]
     if engine.startswith("fsdp"):
         fsdp_on_cpu()
-    args = GRPOConfig(output_dir=os.path.join(out, name), per_device_train_batch_size=2, num_generations=4,
-                      gradient_accumulation_steps=2, max_completion_length=6, max_steps=2, report_to="none",
-                      logging_steps=1, use_cpu=True, save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3,
-                      bf16=False, ddp_backend="gloo", disable_tqdm=True, **engine_args(engine))
+    args = GRPOConfig(**{**dict(output_dir=os.path.join(out, name), per_device_train_batch_size=2, num_generations=4,
+                               gradient_accumulation_steps=2, max_completion_length=6, max_steps=2, report_to="none",
+                               logging_steps=1, use_cpu=True, save_strategy="no", learning_rate=1e-2, optim="sgd",
+                               seed=3, bf16=False, ddp_backend="gloo", disable_tqdm=True), **engine_args(engine)})
     trainer = trainer_cls(model=setup.make_model(), reward_funcs=setup.length_reward, args=args,
                           train_dataset=setup.make_dataset(prompts=8), processing_class=setup.make_tokenizer())
     setup.freeze_rollouts(trainer, 6)
@@ -74,7 +78,11 @@ def main(name: str, out: str, engine: str) -> None:
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathers ZeRO-3 / FSDP shards
     if rank == 0:
         torch.save({n: t.detach().clone() for n, t in state.items()}, os.path.join(out, f"{name}_rank{rank}.pt"))
-    if engine == "ddp":  # every rank holds full weights; keep them to compare ranks
+    if engine == "ddp_split" and name == "prefixflow":  # the groups did straddle the processes
+        logs = trainer.state.log_history
+        splits = [log["prefixflow/split_groups"] for log in logs if "prefixflow/split_groups" in log]
+        assert splits and min(splits) >= 1, trainer.state.log_history
+    if engine.startswith("ddp"):  # every rank holds full weights; keep them to compare ranks
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         torch.save(weights, os.path.join(out, f"{name}_rank{rank}_params.pt"))
 

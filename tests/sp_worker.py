@@ -26,7 +26,8 @@ from trainers.grouping import check_group_prompts  # noqa: E402
 def main(name: str, out: str) -> None:
     # Same rows in the same microbatches for both trainers (normalisers depend on composition).
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1]
+    pf_grpo.shuffle_groups = (
+        lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
     processes = int(os.environ.get("WORLD_SIZE", 1))
     common = dict(output_dir=os.path.join(out, name), per_device_train_batch_size=8 // (2 * processes),
                   num_generations=4, gradient_accumulation_steps=2, max_completion_length=7, max_steps=2,

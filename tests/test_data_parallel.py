@@ -1,4 +1,5 @@
-"""Data parallel on CPU (two gloo processes): DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 give the stock trainer's weights."""
+"""Data parallel on CPU (two gloo processes): DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 give the stock trainer's weights,
+and so does DDP with every group split across the two processes (`ddp_split`)."""
 
 import os
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from hf_prefixflow import PrefixFlowError
 from hf_prefixflow.distributed import fsdp
 from trainers.grouping import check_geometry
 
-ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
+ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "ddp_split"]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -30,7 +31,7 @@ def test_matches_the_stock_trainer(run):
     assert stock.keys() == pf.keys()
     for name in stock:
         torch.testing.assert_close(pf[name], stock[name], rtol=0, atol=1e-5, msg=name)
-    if engine == "ddp":  # every rank holds full weights, and they must be the same (ZeRO's and FSDP's are gathered)
+    if engine.startswith("ddp"):  # every rank holds full weights and they must agree (ZeRO's and FSDP's are gathered)
         ranks = [torch.load(os.path.join(out, f"prefixflow_rank{rank}_params.pt")) for rank in (0, 1)]
         for name, weight in ranks[0].items():
             assert torch.equal(weight, ranks[1][name]), name
@@ -46,12 +47,14 @@ def test_fsdp1_is_refused():
     fsdp.check_config(accelerator, torch.nn.Linear(2, 2))
 
 
-def test_groups_straddling_processes_are_refused_by_the_config():
+def test_groups_straddling_processes_are_split_under_ddp_only():
     # Two processes, per_device_train_batch_size=2, num_generations=4: TRL accepts steps_per_generation=1 (4 rows per
-    # generation), but each process would hold half a group. PrefixFlowGRPOTrainer checks this at construction.
-    with pytest.raises(PrefixFlowError, match="steps_per_generation to a multiple of 2"):
+    # generation), but each process holds half a group. PrefixFlowGRPOTrainer checks this at construction: plain DDP
+    # splits the group (`can_split`), ZeRO, FSDP2 and SP refuse it, naming the fix.
+    with pytest.raises(PrefixFlowError, match="only under plain DDP.*steps_per_generation to a multiple of 2"):
         check_geometry(2, 4, steps_per_generation=1)
     with pytest.raises(PrefixFlowError, match="steps_per_generation to a multiple of 4"):
         check_geometry(2, 8, steps_per_generation=2)
-    check_geometry(2, 4, steps_per_generation=2)
-    check_geometry(8, 4, steps_per_generation=1)
+    assert check_geometry(2, 4, steps_per_generation=1, can_split=True)
+    assert not check_geometry(2, 4, steps_per_generation=2)
+    assert not check_geometry(8, 4, steps_per_generation=1)

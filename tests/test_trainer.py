@@ -33,7 +33,8 @@ class GradientRecorder(TrainerCallback):
 def same_microbatches(monkeypatch):
     """Both trainers keep rows in sampler order, so microbatches hold the same rows (normalisers depend on it)."""
     monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
-    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None: (check_group_prompts(batch, size), batch)[1])
+    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None, offset=0:
+                        (check_group_prompts(batch, size, offset), batch)[1])
 
 
 def train(trainer_cls, model, tmp_path, steps=1, config_cls=GRPOConfig, peft_config=None, rollouts=8, **overrides):

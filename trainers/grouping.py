@@ -10,9 +10,11 @@ import torch
 from hf_prefixflow import PrefixFlowError
 
 
-def check_geometry(per_device_batch: int, num_generations: int, steps_per_generation: int) -> None:
-    """Microbatches must hold whole groups, or a whole group must span a whole number of microbatches; and each
-    process must hold whole groups, since a group's prefix K/V live on one process."""
+def check_geometry(per_device_batch: int, num_generations: int, steps_per_generation: int,
+                   can_split: bool = False) -> bool:
+    """Microbatches must hold whole groups, or a whole group must span a whole number of microbatches. Returns
+    whether a group straddles processes, which only engines that can split a group (`can_split`: plain DDP)
+    accept; the others need each process to hold whole groups."""
     if per_device_batch % num_generations and num_generations % per_device_batch:
         raise PrefixFlowError(
             f"per_device_train_batch_size={per_device_batch} splits groups of num_generations={num_generations} "
@@ -20,14 +22,17 @@ def check_geometry(per_device_batch: int, num_generations: int, steps_per_genera
             "groups per microbatch) or to a divisor of it (a group spans several microbatches)."
         )
     rows = per_device_batch * steps_per_generation
-    if rows % num_generations:
+    straddles = bool(rows % num_generations)
+    if straddles and not can_split:
         steps = num_generations // math.gcd(per_device_batch, num_generations)
         raise PrefixFlowError(
             f"each process holds per_device_train_batch_size * steps_per_generation = {per_device_batch} * "
             f"{steps_per_generation} = {rows} rows of a generation, not a whole number of groups of "
-            f"num_generations={num_generations}, so a group would straddle processes. Set steps_per_generation to a "
+            f"num_generations={num_generations}, so a group would straddle processes, which PrefixFlow splits only "
+            f"under plain DDP (not DeepSpeed ZeRO, FSDP2 or sequence parallelism). Set steps_per_generation to a "
             f"multiple of {steps} (or per_device_train_batch_size to a multiple of {num_generations})."
         )
+    return straddles
 
 
 def _permute(value, rows: torch.Tensor):
@@ -38,35 +43,44 @@ def _permute(value, rows: torch.Tensor):
     return [value[i] for i in rows.tolist()]
 
 
-def check_group_prompts(batch: dict, group_size: int) -> None:
-    """Every block of `group_size` rows (one prompt's completions, as TRL's sampler emits them) shares its prompt."""
+def _blocks(rows: int, group_size: int, offset: int) -> torch.Tensor:
+    """Each row's group, counting from this process's first row, which is row `offset` of its group."""
+    return (torch.arange(rows) + offset) // group_size
+
+
+def check_group_prompts(batch: dict, group_size: int, offset: int = 0) -> None:
+    """Every block of `group_size` rows (one prompt's completions, as TRL's sampler emits them) shares its prompt.
+    The first block starts `offset` rows into its group and the last may end early: those groups straddle processes
+    (`check_geometry` refuses that at construction where it is not supported)."""
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    if ids.shape[0] % group_size:
-        raise PrefixFlowError(
-            f"this process holds {ids.shape[0]} rows, not a whole number of groups of {group_size}: a group straddles "
-            "processes. Make per_device_train_batch_size * steps_per_generation a multiple of num_generations."
-        )
-    tokens = ids.masked_fill(mask == 0, -1).view(-1, group_size, ids.shape[1])
-    differs = (tokens != tokens[:, :1]).any(dim=2).any(dim=1)
+    tokens = ids.masked_fill(mask == 0, -1)
+    blocks = _blocks(ids.shape[0], group_size, offset).to(ids.device)
+    first_row = torch.searchsorted(blocks, blocks)  # each block's first row (blocks are sorted)
+    differs = (tokens != tokens[first_row]).any(dim=1)
     if differs.any():
-        first = int(differs.nonzero()[0]) * group_size
+        block = blocks[int(differs.nonzero()[0])]
+        rows = (blocks == block).nonzero()[:, 0].tolist()
         raise PrefixFlowError(
-            f"rows {first}..{first + group_size - 1} come from one prompt (num_generations={group_size}) but their "
+            f"rows {rows[0]}..{rows[-1]} come from one prompt (num_generations={group_size}) but their "
             "prompt tokens differ, so they share no prefix. Make the prompt deterministic per dataset row (no random "
             "system prompt or date per generation), or train this data with GRPOTrainer."
         )
 
 
-def shuffle_groups(batch: dict, group_size: int, generator: torch.Generator | None = None) -> dict:
-    """TRL's row shuffle at group granularity: groups move as blocks, so microbatches keep completions together."""
-    check_group_prompts(batch, group_size)
+def shuffle_groups(batch: dict, group_size: int, generator: torch.Generator | None = None, offset: int = 0) -> dict:
+    """TRL's row shuffle at group granularity: groups move as blocks, so microbatches keep completions together.
+    `offset`: this process's first row is row `offset` of its group (the rest of that group is on other ranks)."""
+    check_group_prompts(batch, group_size, offset)
     # Draw exactly what TRL's row shuffle draws, so the RNG stream (and with it every later sample) stays the
     # stock trainer's; groups then move in the order their rows first appear in that permutation.
-    rows = torch.randperm(batch["prompt_ids"].shape[0], generator=generator)
-    groups = rows // group_size
-    first = torch.full((len(rows) // group_size,), len(rows)).scatter_reduce(0, groups, torch.arange(len(rows)), "amin")
-    order = first.argsort()
-    permutation = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+    count = batch["prompt_ids"].shape[0]
+    rows = torch.randperm(count, generator=generator)
+    blocks = _blocks(count, group_size, offset)
+    blocks_count = int(blocks[-1]) + 1
+    first = torch.full((blocks_count,), count).scatter_reduce(0, blocks[rows], torch.arange(count), "amin")
+    rank_of_block = torch.empty(blocks_count, dtype=torch.long)
+    rank_of_block[first.argsort()] = torch.arange(blocks_count)
+    permutation = rank_of_block[blocks].argsort(stable=True)
     return {key: _permute(value, permutation) for key, value in batch.items()}
 
 

@@ -6,7 +6,9 @@ prefix groups: a prompt runs forward once (Phase A), its completions run as a su
 LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C) runs once
 the last microbatch that reads the prompt has been backpropagated, before the optimizer step. MoE models also
 record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
-once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`).
+once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`). Under plain DDP a
+group may straddle processes: its owner's prefix K/V are shared with the other holders and their gK/gV summed back
+(`hf_prefixflow/distributed/placement.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
-from hf_prefixflow.distributed import data_parallel, fsdp, zero
+from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
 from hf_prefixflow.model import unwrap
 
@@ -97,13 +100,20 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._routes: torch.Tensor | None = None  # routes of the rows being scored or trained
         if self._replay:
             self._check_replay_supported()
+        self._splits: dict[tuple, placement.SplitGroup] = {}  # this window's groups split across processes
+        if self._split and moe.routers(unwrap(self.model)):
+            raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
+                                  "router logits are per rank); " + _WHOLE_GROUPS)
 
     @property
     def _deepspeed(self) -> bool:
         return self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     def _check_supported(self) -> None:
-        check_geometry(self.args.per_device_train_batch_size, self.num_generations, self.args.steps_per_generation)
+        plain_ddp = (self.accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+                     and not self._fsdp and getattr(self.args, "prefixflow_sp_size", 1) == 1)
+        self._split = check_geometry(self.args.per_device_train_batch_size, self.num_generations,
+                                     self.args.steps_per_generation, can_split=plain_ddp)
         supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
                      DistributedType.DEEPSPEED, DistributedType.FSDP)
         if self.accelerator.distributed_type not in supported:
@@ -170,6 +180,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self._routes = inputs.get(routing.BATCH_KEY)
+        if self._split and model.training and torch.is_grad_enabled():  # an actor update's microbatch
+            self._open_split_groups(model, inputs)
         try:
             return super()._compute_loss(model, inputs)
         finally:
@@ -191,7 +203,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-            batch = shuffle_groups(batch, self.num_generations)  # the stock trainer shuffles rows here
+            # The stock trainer shuffles rows here. This process's rows start `offset` rows into their group.
+            offset = self.accelerator.process_index * len(batch["prompt_ids"]) % self.num_generations
+            batch = shuffle_groups(batch, self.num_generations, offset=offset)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
@@ -218,6 +232,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         training = torch.is_grad_enabled()
         reason = self._plain_path_reason(extra, training)
         if reason:
+            if training and self._split:
+                raise PrefixFlowError(f"{reason} cannot train groups split across processes; " + _WHOLE_GROUPS)
             self._count_fallback(reason, input_ids.shape[0])
             return plain(slice(None))
 
@@ -225,7 +241,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
         # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
         every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
-        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group)
+        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group,
+                                        split=self._splits if training else {})
         if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
             self._count_fallback("router auxiliary loss with a one-token prompt", input_ids.shape[0])
             return plain(slice(None))
@@ -272,15 +289,17 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return "prefixflow_scoring=False"
         return None
 
-    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor, every_group: bool = False):
+    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor, every_group: bool = False,
+                split: dict | None = None):
         """Groups worth sharing, and the rows that train on the plain path (the FLOP model's verdict, unless
-        `every_group`: then only one-token prompts, which leave nothing to share)."""
+        `every_group`: then only one-token prompts, which leave nothing to share). Groups split across processes
+        (keys in `split`) are always shared: their other holders read this rank's K/V or send it gK/gV."""
         lengths = completion_mask.sum(dim=1).tolist()
         shared, fallback = [], []
         for group in groups:
             pays = self._shape.pays(len(group.prefix_ids), [int(lengths[r]) for r in group.rows],
                                     self.prefixflow_min_speedup)
-            if (every_group or pays) and len(group.prefix_ids) > 1:
+            if (every_group or pays or group.key in (split or {})) and len(group.prefix_ids) > 1:
                 shared.append(group)
             else:
                 fallback += group.rows
@@ -338,7 +357,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             self._session = GroupSession(model).__enter__()
         pieces = []
         for g in groups:
-            group = self._open.get(g.key)
+            split = self._splits.get(g.key)
+            group = split.group if split is not None else self._open.get(g.key)
             if group is None:
                 group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
             pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[1])]
@@ -385,6 +405,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 raise
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
+                placement.reduce_gradients(list(self._splits.values()))  # every rank, in the order they opened
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
             elif not self._deepspeed and self._sp is None:  # under ZeRO and SP, groups stay open until the boundary
                 self._close_groups_not_in_next_microbatch()
@@ -392,6 +413,33 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.accelerator.sync_gradients:
             data_parallel.all_reduce_gradients(model)
         return loss
+
+    def _open_split_groups(self, model, inputs: dict) -> None:
+        """Ranks agree on the groups of this microbatch that several of them hold (an all-gather of its prompt keys)
+        and open them, owner first (`placement.open_split`); they stay open until the accumulation boundary."""
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        local = {g.key: g for g in find_groups(ids, mask, inputs["completion_ids"].shape[1]) if len(g.prefix_ids) > 1}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(local))
+        holders: dict[tuple, list[int]] = {}
+        for rank, keys in enumerate(everyone):
+            for key in keys:
+                holders.setdefault(key, []).append(rank)
+        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
+        for key, ranks in spread.items():
+            if key in self._splits and not set(ranks) <= set(self._splits[key].holders):
+                raise PrefixFlowError(
+                    f"a group split across processes {self._splits[key].holders} reappeared on processes {ranks} in "
+                    "the same accumulation window; its prefix K/V live only on the first. " + _WHOLE_GROUPS)
+        if self._session is None:
+            self._session = GroupSession(model).__enter__()
+        for key in sorted(k for k in spread if k not in self._splits):  # the same order on every rank
+            g = local.get(key)
+            with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
+                self._splits[key] = placement.open_split(self._session, None if g is None else g.prefix_ids,
+                                                         spread[key], position_offset=key[0])
+        self._metrics["train"]["prefixflow/split_groups"].append(float(sum(len(r) > 1 for r in spread.values())))
 
     def _end_boundary(self) -> None:
         if not (self._deepspeed or self._fsdp):
@@ -417,7 +465,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     def _reducing_phase_c(self, session: GroupSession) -> int:
         """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
         if self._deepspeed:
-            return session.close(backward=zero.boundary_backward(self.accelerator), from_outputs=True)
+            return session.close(backward=zero.boundary_backward(self.accelerator))
         if not session.groups:
             return 0
         # FSDP2 reduces a unit in each post-backward: one prefix graph reaches each unit once, so close the others
@@ -449,7 +497,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _end_session(self, exc: BaseException | None = None) -> None:
         session, self._session = self._session, None
-        self._open = {}
+        self._open, self._splits = {}, {}
         if session is not None:
             session.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
 
@@ -478,6 +526,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         metrics[prefix + "tokens_saved"].append(float(sum(len(g.prefix_ids) * (len(g.rows) - 1) for g in groups)))
         metrics[prefix + "flops_saved"].append(1.0 - shared / full)
         metrics[prefix + ("phase_ab_s" if training else "s")].append(seconds)
+
+
+_WHOLE_GROUPS = ("keep groups whole per process: make per_device_train_batch_size * steps_per_generation a multiple "
+                 "of num_generations.")
 
 
 def _pack(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -23,8 +23,13 @@ def local_gradients(model: torch.nn.Module):
 
 def all_reduce_gradients(model: torch.nn.Module) -> None:
     """Average the trainable parameters' gradients across ranks, as DDP would have (a missing gradient counts 0)."""
-    if not (isinstance(model, DistributedDataParallel) and dist.is_initialized()):
-        return
+    if isinstance(model, DistributedDataParallel) and dist.is_initialized():
+        reduce_trainable_gradients(model, average=True)
+
+
+def reduce_trainable_gradients(model: torch.nn.Module, group=None, average: bool = False) -> None:
+    """Sum (or average) every trainable parameter's gradient over `group` in one flattened all-reduce per dtype;
+    every rank joins the same collectives, a missing gradient counting as zero."""
     params = [p for p in model.parameters() if p.requires_grad]
     for param in params:
         if param.grad is None:
@@ -32,7 +37,8 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
     for dtype in {p.grad.dtype for p in params}:
         grads = [p.grad for p in params if p.grad.dtype == dtype]
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= dist.get_world_size(group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(reduced)

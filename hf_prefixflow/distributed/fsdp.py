@@ -6,14 +6,15 @@ a pre-backward hook on its outputs that gathers them again. Three things break w
 - Phase A runs only the decoder. Its units would lazily initialise as FSDP roots of their own, and a grouped unit
   (Accelerate shards the final norm with the LM head) would be left half-run. So Phase A runs the FSDP root, whose
   LM head scores one token (`logits_to_keep=1`) that nothing reads.
-- Phase C enters each layer at its prefix K/V, not at its output, so the unit's pre-backward hook never fires for
-  the last layer (whose freed weights it would then read) and only by autograd's ordering for the others. So each
-  cached K/V (and MoE router logits) enters the backward through its unit's own pre-backward hook.
+- Phase C enters each layer at its prefix K/V, not at its output, so the unit's pre-backward hook would never fire
+  for the last layer (whose freed weights it would then read) and only by autograd's ordering for the others. So
+  Phase C also starts at the prefix output with a zero gradient (`TrainingKVCache.anchor`): every unit's output is
+  reached first, as in any backward.
 - FSDP reduce-scatters a unit in each of its post-backwards while gradient sync is on, and its root callback at the
   end of a backward runs the post-backward of every unit the backward did not reach. So sync is off for every
   backward but the boundary's last prefix backward (the trainer closes the other open groups just before it): that
-  one reduces each unit once, everything the window accumulated in it, the LM head (which Phase C never reaches)
-  included. Reduce-scatter is linear and FSDP adds its output into the sharded gradient, so this is exact.
+  one reduces each unit once, everything the window accumulated in it. Reduce-scatter is linear and FSDP adds its
+  output into the sharded gradient, so this is exact.
 
 Every rank then runs the same collectives as long as it runs the same forwards and backwards: `check_same_schedule`
 turns a mismatch into an error instead of a hang.
@@ -29,7 +30,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from ..errors import PrefixFlowError
-from ..kv_cache import TrainingKVCache
 from ..model import decoder_of
 
 
@@ -59,42 +59,6 @@ def prefix_forward(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
             "fully_shard was applied to last (the one the trainer forwards)."
         )
     return decoder_of(model), {}
-
-
-def enter_through_units(model: torch.nn.Module, cache: TrainingKVCache) -> None:
-    """Make each live prefix tensor run its FSDP unit's pre-backward hook (gather, queue the reduction) in Phase C."""
-    if not isinstance(model, FSDPModule):
-        return
-    by_layer = _units_by_layer(model)
-    for layer_idx, tensors in _live_by_layer(cache).items():
-        for unit in by_layer.get(layer_idx, [model]):
-            state = unit._get_fsdp_state()  # the hook FSDP registers on every unit output
-            for tensor in tensors:
-                if tensor.requires_grad:
-                    tensor.register_hook(state._pre_backward)
-
-
-def _live_by_layer(cache: TrainingKVCache) -> dict[int, list[torch.Tensor]]:
-    live = {idx: [entry.key.live, entry.value.live] for idx, entry in cache.layers.items()}
-    for idx, logits in cache.router_logits.items():
-        live.setdefault(idx, []).append(logits.live)
-    return live
-
-
-def _units_by_layer(model: torch.nn.Module) -> dict[int, list[FSDPModule]]:
-    """Layer index -> the innermost FSDP units around modules with that `layer_idx` (attention, routers)."""
-    found: dict[int, list[FSDPModule]] = {}
-
-    def walk(module: torch.nn.Module, unit: FSDPModule) -> None:
-        unit = module if isinstance(module, FSDPModule) else unit
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and unit not in found.setdefault(idx, []):
-            found[idx].append(unit)
-        for child in module.children():
-            walk(child, unit)
-
-    walk(model, model)
-    return found
 
 
 @contextlib.contextmanager

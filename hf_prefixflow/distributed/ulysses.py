@@ -27,7 +27,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..attention import PASS_KWARG, SP_KWARG, PrefixPass, SuffixPass
 from ..errors import PrefixFlowError
@@ -36,6 +35,7 @@ from ..layouts import PADDING, Wave
 from ..model import unwrap
 from ..moe import routers
 from ..scheduler import GroupSession, PrefixGroup
+from .data_parallel import reduce_trainable_gradients
 
 
 class _AllToAll(torch.autograd.Function):
@@ -250,13 +250,4 @@ def prefix_group(model: torch.nn.Module, prefix_ids: torch.Tensor, sequence_para
 
 def reduce_gradients(model: torch.nn.Module, sequence_parallel: SequenceParallel) -> None:
     """Sum the trainable parameters' gradients over the SP group: each rank holds its shard's share of them."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for param in params:
-        if param.grad is None:  # every rank joins the same collectives
-            param.grad = torch.zeros_like(param)
-    for dtype in {p.grad.dtype for p in params}:
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=sequence_parallel.group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+    reduce_trainable_gradients(model, sequence_parallel.group)
