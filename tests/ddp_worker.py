@@ -89,3 +89,5 @@ def main(name: str, out: str, engine: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    if torch.distributed.is_initialized():  # gloo's threads can abort the interpreter's exit otherwise
+        torch.distributed.destroy_process_group()

@@ -51,3 +51,5 @@ def main(name: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    if torch.distributed.is_initialized():  # gloo's threads can abort the interpreter's exit otherwise
+        torch.distributed.destroy_process_group()
