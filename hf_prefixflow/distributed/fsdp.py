@@ -61,30 +61,26 @@ def prefix_forward(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return decoder_of(model), {}
 
 
-@contextlib.contextmanager
-def local_gradients(model: torch.nn.Module) -> Iterator[None]:
+def local_gradients(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """Accumulate every backward inside unreduced (FSDP2's `no_sync`); nothing for a model without FSDP2 units."""
-    if not isinstance(model, FSDPModule):
-        yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    return _gradient_sync(model, False)
+
+
+def reducing(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Inside `local_gradients`: the backward run here (the boundary's last prefix backward) reduces every unit."""
+    return _gradient_sync(model, True)
 
 
 @contextlib.contextmanager
-def reducing(model: torch.nn.Module) -> Iterator[None]:
-    """Inside `local_gradients`: the backward run here (the boundary's last prefix backward) reduces every unit."""
+def _gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     if not isinstance(model, FSDPModule):
         yield
         return
-    model.set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync(enabled)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(False)
+        model.set_requires_gradient_sync(not enabled)
 
 
 def check_same_schedule(model: torch.nn.Module, what: str, counts: list[int]) -> None:
