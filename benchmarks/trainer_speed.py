@@ -23,7 +23,7 @@ import transformers
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, synthetic
 from speed import SHAPES, build
 
 
@@ -37,8 +37,10 @@ def fake_rollouts(trainer, length: int, vocab: int) -> None:
 
 
 def run(trainer_cls, args, model, dataset, tokenizer) -> list[float]:
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), max_steps=args.steps, per_device_train_batch_size=args.batch,
+    keep = trainer_cls is PrefixFlowGRPOTrainer and args.keep_suffix_activations
+    extra = {"prefixflow_suffix_checkpointing": False} if keep else {}
+    config = (PrefixFlowGRPOConfig if keep else GRPOConfig)(
+        **extra, output_dir=tempfile.mkdtemp(), max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.n // args.batch, num_generations=args.n,
         max_completion_length=args.completion, logging_steps=1, report_to="none", save_strategy="no",
         bf16=True, learning_rate=1e-6, gradient_checkpointing=args.checkpointing, disable_tqdm=True)
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size (a divisor of n)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--keep-suffix-activations", action="store_true",
+                        help="PrefixFlow only: prefixflow_suffix_checkpointing=False (with --checkpointing)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="trainer_speed")
     args = parser.parse_args()
@@ -92,7 +96,8 @@ def main() -> None:
     stock, pf = statistics.median(times["stock"]), statistics.median(times["prefixflow"])
     row = {"model": args.model, "P": round(prefix_tokens), "S": args.completion, "N": args.n, "batch": args.batch,
            "prefix_ratio": round(prefix_tokens / (prefix_tokens + args.completion), 3),
-           "checkpointing": args.checkpointing, "stock_actor_update_s": round(stock, 3),
+           "checkpointing": args.checkpointing, "keep_suffix_activations": args.keep_suffix_activations,
+           "stock_actor_update_s": round(stock, 3),
            "prefixflow_actor_update_s": round(pf, 3), "speedup": round(stock / pf, 2),
            "stock_peak_gib": round(peaks["stock"], 1), "prefixflow_peak_gib": round(peaks["prefixflow"], 1),
            "steps_timed": len(times["stock"]), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

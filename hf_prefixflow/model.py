@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -60,11 +61,15 @@ def check_checkpointing(model: torch.nn.Module) -> None:
             )
 
 
-def apply_prefixflow(model: torch.nn.Module, offload: bool | None = None) -> torch.nn.Module:
+def apply_prefixflow(
+    model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None
+) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
 
     `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
-    (`hf_prefixflow.offload`); `None` keeps the current setting (off by default).
+    (`hf_prefixflow.offload`). `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing
+    them when the model uses activation checkpointing (the prefix stays checkpointed): the memory the shared prefix
+    frees buys back the recompute. `None` keeps the current setting of each (off / on by default).
 
     Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
     the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
@@ -83,4 +88,25 @@ def apply_prefixflow(model: torch.nn.Module, offload: bool | None = None) -> tor
     moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
     if offload is not None:
         inner._prefixflow_offload = bool(offload)
+    if suffix_checkpointing is not None:
+        inner._prefixflow_suffix_checkpointing = bool(suffix_checkpointing)
     return model
+
+
+@contextlib.contextmanager
+def checkpointing_suspended(model: PreTrainedModel):
+    """Run the enclosed forward without transformers' per-layer activation checkpointing (its backward then uses
+    the saved activations: the same values, as non-reentrant checkpointing recomputes them exactly)."""
+    if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
+        raise PrefixFlowError(
+            "suffix_checkpointing=False suspends transformers' layer checkpointing, but this model is wrapped in "
+            "torch checkpoint wrappers (e.g. FSDP activation_checkpointing); keep suffix_checkpointing=True."
+        )
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True

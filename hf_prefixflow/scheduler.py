@@ -25,7 +25,7 @@ from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, unwrap
+from .model import check_checkpointing, checkpointing_suspended, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
 
@@ -180,7 +180,9 @@ class PrefixGroup:
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
         marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
-        return self._forward(self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
+        keep = not getattr(self._inner, "_prefixflow_suffix_checkpointing", True)
+        with checkpointing_suspended(self._inner) if keep else contextlib.nullcontext():
+            return self._forward(self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
 
     def _forward(self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
         """One forward of Phase A (`module` = the decoder) or B (the model); sequence parallelism shards it here."""

@@ -180,3 +180,14 @@ def test_group_memory_is_released(model):
         live, leaf = weakref.ref(group.cache.layers[0].key.live), weakref.ref(group.cache.layers[0].key.leaf)
     # no gc.collect(): the graph must go by reference counting, the moment the block closes
     assert not group.cache.layers and live() is None and leaf() is None
+
+
+def test_keeping_suffix_activations_refuses_torch_checkpoint_wrappers(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    layers[0] = checkpoint_wrapper(layers[0])
+    hf_prefixflow.apply_prefixflow(model, suffix_checkpointing=False)
+    with raises("keep suffix_checkpointing=True"):
+        with hf_prefixflow.prefix_group(model, PREFIX) as group:
+            group(SUFFIX, attention_mask=MASK)

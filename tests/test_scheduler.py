@@ -156,3 +156,24 @@ def test_session_of_several_left_padded_groups(family, seed):
                 session.close([opened[gi]])  # a group whose waves are done closes early; the last one on exit
     assert_rel_close(pf_loss, ref_loss, "loss")
     assert_same_gradients(gradients(model), reference)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_suffix_waves_can_keep_their_activations_under_checkpointing(family):
+    """suffix_checkpointing=False: waves save activations instead of recomputing them; training is unchanged."""
+    model = hf_prefixflow.apply_prefixflow(_setup(family, checkpointing=True), suffix_checkpointing=False)
+    _steps(model, seed=41)
+
+    gen = torch.Generator().manual_seed(5)
+    group = random_group(gen, n=(2, 3))
+    ids, mask = pad(group.suffixes, gen)
+    saved = {}
+    for keep_checkpointing in (True, False):
+        hf_prefixflow.apply_prefixflow(model, suffix_checkpointing=keep_checkpointing)
+        count = []
+        with hf_prefixflow.prefix_group(model, group.prefix) as g:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(1) or t, lambda t: t):
+                out = g(ids, attention_mask=mask)
+            out.logits.sum().backward()
+        saved[keep_checkpointing] = len(count)
+    assert saved[False] > 2 * saved[True], saved

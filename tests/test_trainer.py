@@ -152,6 +152,11 @@ def test_prefix_activation_offload_in_the_trainer(tmp_path):
                          config_cls=PrefixFlowGRPOConfig, prefixflow_offload=True))
 
 
+def test_suffix_activations_kept_under_checkpointing(tmp_path):
+    assert_aligned(*both(tmp_path, steps=2, gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig,
+                         prefixflow_suffix_checkpointing=False))
+
+
 def test_default_adamw_trajectory_stays_aligned(tmp_path):
     stock, pf = both(tmp_path, steps=3, optim="adamw_torch", learning_rate=1e-3)
     for name in stock[1]:

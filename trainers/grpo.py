@@ -54,6 +54,9 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
     prefixflow_offload: bool = field(
         default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
+    prefixflow_suffix_checkpointing: bool = field(
+        default=True, metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
+                                        "of recomputing them (the prefix stays checkpointed)"})
     prefixflow_wave_size: str | None = field(
         default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
                                         "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
@@ -73,7 +76,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_wave_size")}
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_suffix_checkpointing",
+                         "prefixflow_wave_size")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -89,7 +93,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
-        apply_prefixflow(self.model, offload=self.prefixflow_offload)
+        apply_prefixflow(self.model, offload=self.prefixflow_offload,
+                         suffix_checkpointing=self.prefixflow_suffix_checkpointing)
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
