@@ -135,9 +135,9 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
     if leaves is not None and plain and base == "sdpa" and marker.wave.is_plain_causal \
             and (window is None or window >= leaves[0].shape[2] + key.shape[2]):
         query, key, value = _autocast_inputs(query, key, value)
-        kernel = split_attention.kernel_for(query)
+        kernel = split_attention.kernel_for(query, key, value)
         if kernel is not None:  # the cache read in place, no per-wave concatenation (see split_attention.py)
-            prefix = [leaf.to(query.dtype) for leaf in leaves]
+            prefix = marker.cache.leaves(module.layer_idx, query.dtype)
             return split_attention.split_attention(query, *prefix, key, value, scaling, kernel).transpose(1, 2), None
     if leaves is not None:
         batch = query.shape[0]

@@ -25,7 +25,22 @@ class CachedTensor:
         # Only tensors that reach trainable parameters need a gradient; the others stay plain constants.
         self.leaf = live.detach().requires_grad_(live.requires_grad)
         self.grad: torch.Tensor | None = None
-        self._hook = self.leaf.register_post_accumulate_grad_hook(self._accumulate) if live.requires_grad else None
+        self._casts: dict[torch.dtype, torch.Tensor] = {}
+        self._hooks = [self._watch(self.leaf)]
+
+    def _watch(self, leaf: torch.Tensor):
+        return leaf.register_post_accumulate_grad_hook(self._accumulate) if leaf.requires_grad else None
+
+    def leaf_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The leaf in `dtype`, cast once for the group's life (not once per wave), its gradient summed into `grad`
+        like the leaf's own: under autocast with fp32 weights, RoPE leaves K in fp32 while kernels read bf16."""
+        if dtype == self.leaf.dtype:
+            return self.leaf
+        if dtype not in self._casts:
+            cast = self.leaf.detach().to(dtype).requires_grad_(self.leaf.requires_grad)
+            self._hooks.append(self._watch(cast))
+            self._casts[dtype] = cast
+        return self._casts[dtype]
 
     def _accumulate(self, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
@@ -35,10 +50,12 @@ class CachedTensor:
             self.grad += grad
 
     def release(self) -> None:
-        # The hook refers back to this object: remove it, or the leaf and the prefix graph would stay alive.
-        if self._hook is not None:
-            self._hook.remove()
-        self.live = self.leaf = self.grad = self._hook = None
+        # The hooks refer back to this object: remove them, or the leaves and the prefix graph would stay alive.
+        for hook in self._hooks:
+            if hook is not None:
+                hook.remove()
+        self.live = self.leaf = self.grad = None
+        self._hooks, self._casts = [], {}
 
 
 @dataclass
@@ -71,9 +88,14 @@ class TrainingKVCache:
         if layer_idx not in self.router_logits:
             self.router_logits[layer_idx] = CachedTensor(logits)
 
-    def leaves(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def leaves(self, layer_idx: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's K/V leaves (in `dtype`, if given: see `CachedTensor.leaf_as`), or None if it has none."""
         entry = self.layers.get(layer_idx)
-        return None if entry is None else (entry.key.leaf, entry.value.leaf)
+        if entry is None:
+            return None
+        if dtype is None:
+            return entry.key.leaf, entry.value.leaf
+        return entry.key.leaf_as(dtype), entry.value.leaf_as(dtype)
 
     def tensors(self) -> list[CachedTensor]:
         kv = [t for entry in self.layers.values() for t in (entry.key, entry.value)]

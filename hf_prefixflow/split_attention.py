@@ -10,8 +10,9 @@ bottom-right causal kernel over it, this runs
 and merges the two by their log-sum-exps. The backward runs each part's backward kernel with the *merged* output
 and log-sum-exp: those give every score its true softmax probability, so each part returns its exact share of
 dQ and its own dK/dV (flash-style backwards only ever use `out` and `lse`, never the part's own).
-Kernels: cuDNN (falling back to flash for head dims cuDNN rejects) for bf16/fp16 on CUDA, PyTorch's flash kernel
-for any dtype on the CPU. Other cases return None and the caller keeps its general path.
+Kernels: cuDNN (falling back to flash for head dims cuDNN rejects) for bf16/fp16 on sm80+ CUDA GPUs, PyTorch's flash
+kernel for any dtype on the CPU. Other cases return None and the caller keeps its general path. The merge and the
+sums of the parts' gradients run in at least fp32 and round once.
 """
 
 from __future__ import annotations
@@ -71,14 +72,17 @@ FLASH = Kernel("flash", _flash_forward, _flash_backward)
 CUDNN = Kernel("cudnn", _cudnn_forward, _cudnn_backward)
 
 
-def kernel_for(query: torch.Tensor) -> Kernel | None:
-    """The kernel this wave's attention can run on, or None (CUDA fp32/fp64, odd head dims, other devices)."""
+def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Kernel | None:
+    """The kernel this wave's attention can run on, or None: CUDA fp32/fp64, GPUs before sm80, odd or unequal head
+    dims (value heads of another size, as DeepSeek-V3's), devices other than CUDA and the CPU."""
+    head_dim = query.shape[-1]
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        return None
     if query.device.type == "cpu":
         return CPU
-    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
+    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
         return None
-    head_dim = query.shape[-1]
-    if head_dim % 8:
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
         return None
     if head_dim <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available():
         return CUDNN
@@ -105,8 +109,14 @@ def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _merge(out_p, lse_p, out_s, lse_s):
     lse = torch.logaddexp(lse_p, lse_s)
-    out = out_p.float() * (lse_p - lse).exp().unsqueeze(-1) + out_s.float() * (lse_s - lse).exp().unsqueeze(-1)
+    dtype = _accumulation_dtype(out_p)
+    out = out_p.to(dtype) * (lse_p - lse).exp().unsqueeze(-1) + out_s.to(dtype) * (lse_s - lse).exp().unsqueeze(-1)
     return out.to(out_p.dtype), lse
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """Sums of kernel outputs round once, in at least fp32 (fp64 inputs stay fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class _SplitAttention(torch.autograd.Function):
@@ -136,8 +146,10 @@ class _SplitAttention(torch.autograd.Function):
             _fold(lse, kv_heads).reshape(shape_p), False, scale, state_p)
         dq_s, dk_s, dv_s = kernel.backward(grad, query, key_r, value_r, out, lse.reshape(shape_s).contiguous(),
                                            True, scale, state_s)
-        dq = _unfold(dq_p, query) + dq_s
-        dk, dv = (x.unflatten(1, (-1, groups)).sum(2) if groups > 1 else x for x in (dk_s, dv_s))
+        dtype = _accumulation_dtype(query)
+        dq = (_unfold(dq_p, query).to(dtype) + dq_s.to(dtype)).to(query.dtype)
+        dk, dv = (x.unflatten(1, (-1, groups)).sum(2, dtype=dtype).to(x.dtype) if groups > 1 else x
+                  for x in (dk_s, dv_s))
         return dq, dk_p, dv_p, dk, dv, None, None
 
 

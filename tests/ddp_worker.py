@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 sys.path.insert(0, os.path.dirname(__file__))
 
 import grpo_setup as setup  # noqa: E402
+from launcher import finish_worker  # noqa: E402
 import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -89,5 +90,4 @@ def main(name: str, out: str, engine: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    if torch.distributed.is_initialized():  # gloo's threads can abort the interpreter's exit otherwise
-        torch.distributed.destroy_process_group()
+    finish_worker()

@@ -23,3 +23,15 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> sub
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), os.path.join(HERE, script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def finish_worker() -> None:
+    """End a worker process once its results are written: leave the process group and skip the interpreter's
+    teardown, where gloo's threads can abort the exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

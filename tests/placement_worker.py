@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(__file__))
 
 import models  # noqa: E402
+from launcher import finish_worker  # noqa: E402
 from equivalence import full_sequence_backward, gradients, pad, random_group, token_loss  # noqa: E402
 
 import hf_prefixflow  # noqa: E402
@@ -75,6 +76,17 @@ def prefixflow_gradients(model, groups: dict, reduce: bool) -> dict:
     return {name: grad * world for name, grad in gradients(model).items()}  # DDP averages; the reference sums
 
 
+def mismatch_raises(base, prefix: torch.Tensor) -> bool:
+    """Rank 1 passes a shorter prompt for a split group: every rank must raise (none may wait in a broadcast)."""
+    model = hf_prefixflow.apply_prefixflow(copy.deepcopy(base))
+    with torch.no_grad(), hf_prefixflow.GroupSession(model) as session:
+        try:
+            placement.open_split(session, prefix[: len(prefix) - dist.get_rank()], holders=(0, 1))
+        except hf_prefixflow.PrefixFlowError as exc:
+            return "same prompt" in str(exc)
+    return False
+
+
 def max_relative(actual: dict, expected: dict) -> float:
     assert actual.keys() == expected.keys(), actual.keys() ^ expected.keys()
     return max(((actual[n] - expected[n]).abs().max() / expected[n].abs().max()).item() for n in expected)
@@ -92,6 +104,7 @@ def main(out: str) -> None:
     for reduce in (True, False):
         model = hf_prefixflow.apply_prefixflow(copy.deepcopy(base))
         result["exact" if reduce else "broken"] = max_relative(prefixflow_gradients(model, groups, reduce), expected)
+    result["mismatch_raised_everywhere"] = mismatch_raises(base, groups["A"].prefix)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -99,3 +112,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    finish_worker()

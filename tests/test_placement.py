@@ -24,3 +24,7 @@ def test_split_group_gradients_equal_one_process_full_sequences(results):
 def test_skipping_the_gk_gv_reduce_is_caught(results):
     for rank in results:
         assert rank["broken"] > 1e-2, rank
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank(results):
+    assert all(rank["mismatch_raised_everywhere"] for rank in results), results

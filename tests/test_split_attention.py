@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from equivalence import assert_rel_close, train_side_by_side, random_group, random_plan
+import hf_prefixflow
 from hf_prefixflow import split_attention
 from models import build
 
@@ -38,7 +39,7 @@ def test_matches_concatenated_attention_and_its_gradients(seed):
         out = fn(*inputs, scale)
         results.append((out, *torch.autograd.grad(out, inputs, grad)))
     for what, got, want in zip(("out", "dq", "dk prefix", "dv prefix", "dk", "dv"), results[1], results[0]):
-        assert_rel_close(got, want, what)
+        assert_rel_close(got, want, what, rtol=1e-12)  # fp64 end to end: a merge in fp32 would show at 1e-8
 
 
 def test_a_backward_with_each_parts_own_statistics_fails():
@@ -65,7 +66,7 @@ def test_models_match_full_sequence_on_either_path(family, path, monkeypatch):
     calls = []
     kernel_for = split_attention.kernel_for
     monkeypatch.setattr(split_attention, "kernel_for",
-                        lambda q: calls.append(q) or (kernel_for(q) if path == "split" else None))
+                        lambda q, k, v: calls.append(q) or (kernel_for(q, k, v) if path == "split" else None))
     model = build(family).train()
     gen = torch.Generator().manual_seed(11)
     groups = [random_group(gen, n=(2, 5)) for _ in range(3)]
@@ -74,5 +75,44 @@ def test_models_match_full_sequence_on_either_path(family, path, monkeypatch):
 
 
 def test_kernel_choice():
-    assert split_attention.kernel_for(torch.zeros(1, 1, 1, 8)) is split_attention.CPU
-    assert split_attention.kernel_for(torch.zeros(1, 1, 1, 8, device="meta")) is None
+    x, meta = torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8, device="meta")
+    assert split_attention.kernel_for(x, x, x) is split_attention.CPU
+    assert split_attention.kernel_for(meta, meta, meta) is None
+    assert split_attention.kernel_for(x, x, torch.zeros(1, 1, 1, 4)) is None  # value heads of another size
+
+
+def test_value_heads_of_another_size_take_the_general_path():
+    """DeepSeek-V3 attends with value heads narrower than its query/key heads: fused kernels cannot run it."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=4, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).double().train()
+    gen = torch.Generator().manual_seed(3)
+    groups = [random_group(gen, n=(2, 4)) for _ in range(2)]
+    train_side_by_side(model, groups, [random_plan(gen, len(g.suffixes), layouts=("padded",)) for g in groups])
+
+
+def test_autocast_casts_the_cache_once_per_group(monkeypatch):
+    """Under bf16 autocast with fp32 weights RoPE leaves K in fp32: the bf16 copy is made once per group, not per
+    wave, and its gradient still reaches the cache (the bf16 accuracy itself: test_attention.py)."""
+    seen = []
+    split = split_attention.split_attention
+    monkeypatch.setattr(split_attention, "split_attention",
+                        lambda q, pk, pv, *rest: seen.append((id(pk), id(pv), pk.dtype)) or split(q, pk, pv, *rest))
+    model = build("llama", dtype=torch.float32).train()
+    hf_prefixflow.apply_prefixflow(model)
+    gen = torch.Generator().manual_seed(2)
+    group = random_group(gen, prefix=(10, 16), n=(3, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16), hf_prefixflow.prefix_group(model, group.prefix) as g:
+        for suffix in group.suffixes:
+            g(suffix[None]).logits.float().sum().backward()
+        received = [t.grad is not None for t in g.cache.tensors()]
+        assert g.cache.layers[0].key.leaf.dtype == torch.float32  # else there would be no cast to test
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 3 * layers and {dtype for _, _, dtype in seen} == {torch.bfloat16}
+    assert len({pk for pk, _, _ in seen}) == layers and all(received)

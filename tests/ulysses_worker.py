@@ -16,6 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import equivalence as eq  # noqa: E402
+from launcher import finish_worker  # noqa: E402
 from models import build  # noqa: E402
 
 import hf_prefixflow  # noqa: E402
@@ -93,3 +94,4 @@ def main(mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    finish_worker()

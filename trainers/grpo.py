@@ -236,24 +236,26 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
         training = torch.is_grad_enabled()
         reason = self._plain_path_reason(extra, training)
+        if reason and training and self._split:
+            raise PrefixFlowError(f"{reason} cannot train groups split across processes; " + _WHOLE_GROUPS)
+        shared, fallback = [], []
+        if not reason:
+            groups = find_groups(input_ids, attention_mask, logits_to_keep)
+            # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
+            # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
+            every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
+            shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group,
+                                            split=self._splits if training else {})
+            if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
+                reason = "router auxiliary loss with a one-token prompt"
+        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
+        # Before any forward: under FSDP2 a rank taking another path would mismatch the others' collectives.
+        schedule = [1, 0, 0, 0] if reason else [0, fresh, sum(len(g.rows) for g in shared), int(bool(fallback))]
+        fsdp.check_same_schedule(model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards",
+                                 schedule)
         if reason:
-            if training and self._split:
-                raise PrefixFlowError(f"{reason} cannot train groups split across processes; " + _WHOLE_GROUPS)
             self._count_fallback(reason, input_ids.shape[0])
             return plain(slice(None))
-
-        groups = find_groups(input_ids, attention_mask, logits_to_keep)
-        # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
-        # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
-        every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
-        shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group,
-                                        split=self._splits if training else {})
-        if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
-            self._count_fallback("router auxiliary loss with a one-token prompt", input_ids.shape[0])
-            return plain(slice(None))
-        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
-        fsdp.check_same_schedule(model, "a microbatch's prefix forwards, suffix-wave rows and plain forwards",
-                                 [fresh, sum(len(g.rows) for g in shared), int(bool(fallback))])
         aux_parts: list | None = [] if compute_aux_loss else None
         width = input_ids.shape[1] - logits_to_keep
         completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]

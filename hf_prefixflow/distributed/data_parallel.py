@@ -34,7 +34,7 @@ def reduce_trainable_gradients(model: torch.nn.Module, group=None, average: bool
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    for dtype in {p.grad.dtype for p in params}:
+    for dtype in dict.fromkeys(p.grad.dtype for p in params):  # parameter order: the same on every rank
         grads = [p.grad for p in params if p.grad.dtype == dtype]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)

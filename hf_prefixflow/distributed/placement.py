@@ -15,7 +15,8 @@ group's gradient into its prefix graph, and the peers' close frees their leaves 
     data_parallel.all_reduce_gradients(ddp_model)                           # the DDP rule, after Phase C
 
 Collective schedule: every rank calls `open_split` for every split group and `reduce_gradients` over all of them in
-one agreed order, holder or not, on the default (world) group. Per group, opening costs one pickled
+one agreed order, holder or not, on the default (world) group. Per group, opening costs one `all_gather_object` of
+each rank's outcome (so a failure on one rank raises on all, instead of leaving the others waiting), one pickled
 `broadcast_object_list` of the cached tensors' shapes and dtypes and one `broadcast` per dtype of the flattened K/V
 from the owner; closing costs one `reduce` per gradient dtype to the owner. A rank that holds no rows of a group
 receives K/V it drops and contributes zeros to the reduce: this costs it `|K/V|` bytes of traffic per split group,
@@ -74,11 +75,17 @@ def open_split(session: GroupSession, prefix_ids: torch.Tensor | None, holders: 
     holders = tuple(sorted({int(r) for r in holders}))
     rank, owner = dist.get_rank(), holders[0]
     holds = rank in holders
-    if holds and prefix_ids is None:
-        raise PrefixFlowError(f"rank {rank} holds rows of this split group but passed no prefix_ids.")
-    group = PrefixGroup(session.model, prefix_ids, position_offset, routes) if holds else None
+    group, error = None, None
+    try:
+        if holds and prefix_ids is None:
+            raise PrefixFlowError(f"rank {rank} holds rows of this split group but passed no prefix_ids.")
+        group = PrefixGroup(session.model, prefix_ids, position_offset, routes) if holds else None
+        if rank == owner:
+            session.add(group)  # Phase A
+    except Exception as exc:  # every rank must learn of it, or the others would wait in the broadcast below
+        error = exc
+    _agree(error, group.cache.prefix_length if group is not None else None, holders)
     if rank == owner:
-        session.add(group)
         tensors = _in_order(group.cache)
         header = [group.cache.prefix_length, [_entry(kind, layer, t) for kind, layer, t in tensors]]
     else:
@@ -88,11 +95,22 @@ def open_split(session: GroupSession, prefix_ids: torch.Tensor | None, holders: 
     device = _device(session.model)
     received = _broadcast_values(entries, [t.live for _, _, t in tensors] if rank == owner else None, owner, device)
     if holds and rank != owner:
-        if group.cache.prefix_length != prefix_length:
-            raise PrefixFlowError(f"rank {rank}'s prefix has {group.cache.prefix_length + 1} tokens but the owner's "
-                                  f"has {prefix_length + 1}: the holders of a split group must pass the same prompt.")
         session.adopt(group, _peer_cache(prefix_length, entries, received))
     return SplitGroup(owner, holders, prefix_length, entries, group, device)
+
+
+def _agree(error: BaseException | None, prefix_length: int | None, holders: tuple[int, ...]) -> None:
+    """Collective: raise on every rank if opening failed on any, or if the holders' prompts differ in length."""
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (None if error is None else f"{type(error).__name__}: {error}", prefix_length))
+    failures = [f"rank {r}: {message}" for r, (message, _) in enumerate(reports) if message]
+    lengths = {r: reports[r][1] for r in holders}
+    if not failures and len(set(lengths.values())) > 1:
+        failures = [f"the holders' prompts have {sorted(n + 1 for n in lengths.values())} tokens; the holders of a "
+                    "split group must pass the same prompt"]
+    if failures:
+        raise PrefixFlowError("opening a split group failed on every rank because of " + "; ".join(failures)) \
+            from error
 
 
 def reduce_gradients(splits: list[SplitGroup]) -> None:
