@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from speed import SHAPES
 
 WORDS_PREFIX = "t"
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
@@ -257,15 +258,10 @@ def precision(engine: str, tiny: bool) -> str:
 # -- SP capacity: the one-GPU full-sequence baseline vs Ulysses SP=2, low-level API ----------------------------------
 
 CAPACITY_SHAPES = {
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": {k: v for k, v in SHAPES["qwen3-1.7b"].items() if k != "model_type"},
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
 }
-
-
-class Budget(Exception):
-    pass
 
 
 def capacity(out_json: str, cfg: dict) -> None:
