@@ -152,9 +152,10 @@ class PrefixOffload:
 
     def _prefetch_before(self, index: int) -> None:
         ahead = 0
-        for entry in reversed(self.entries[:index]):
+        for i in range(index - 1, -1, -1):
             if ahead >= PREFETCH_BYTES:
                 break
+            entry = self.entries[i]
             if not entry.consumed:
                 self._prefetch(entry)
                 ahead += entry.host.numel()
