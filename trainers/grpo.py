@@ -20,7 +20,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from accelerate.utils import DistributedType
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
@@ -427,12 +426,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         local = {g.key: g for g in find_groups(ids, mask, inputs["completion_ids"].shape[1]) if len(g.prefix_ids) > 1}
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, sorted(local))
-        holders: dict[tuple, list[int]] = {}
-        for rank, keys in enumerate(everyone):
-            for key in keys:
-                holders.setdefault(key, []).append(rank)
+        holders = placement.holders(local)
         spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
         for key, ranks in spread.items():
             if key in self._splits and not set(ranks) <= set(self._splits[key].holders):

@@ -65,6 +65,17 @@ class SplitGroup:
     device: torch.device
 
 
+def holders(keys: Iterable) -> dict:
+    """Collective: which ranks hold each group (keys: any sortable, picklable group identifiers)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(keys))
+    found: dict = {}
+    for rank, mine in enumerate(everyone):
+        for key in mine:
+            found.setdefault(key, []).append(rank)
+    return found
+
+
 def open_split(session: GroupSession, prefix_ids: torch.Tensor | None, holders: Iterable[int], position_offset: int = 0,
                routes: torch.Tensor | None = None) -> SplitGroup:
     """Collective: the owner runs Phase A and broadcasts the prefix K/V; the other holders open the group on them.
