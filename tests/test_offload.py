@@ -55,7 +55,7 @@ def _recorded_packs(monkeypatch) -> list:
     return packs
 
 
-def test_offload_skips_parameters_and_the_cached_kv(monkeypatch):
+def test_offload_skips_parameters_and_the_cached_kv_and_copies_shared_saves_once(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
     group = random_group(gen, prefix=(10, 16), n=(2, 3))
@@ -63,8 +63,11 @@ def test_offload_skips_parameters_and_the_cached_kv(monkeypatch):
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
         live = {id(t.live) for t in g.cache.tensors()}
         params = {id(p) for p in model.parameters()}
-        offloaded = [t for t, packed in packs if isinstance(packed, hf_prefixflow.offload.Offloaded)]
-        assert offloaded and not any(id(t) in live | params for t in offloaded)
+        offloaded = [(t, e) for t, e in packs if isinstance(e, hf_prefixflow.offload.Offloaded)]
+        assert offloaded and not any(id(t) in live | params for t, _ in offloaded)
+        copies = {id(e): e for _, e in offloaded}
+        assert len(copies) < len(offloaded)
+        assert any(e.saves >= 3 for e in copies.values())  # q, k and v projections read one layer input
         g(group.suffixes[0][None]).logits.sum().backward()
     second = hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes
     with hf_prefixflow.prefix_group(model, group.prefix) as g:  # the same shapes reuse the pool's buffers
@@ -150,15 +153,3 @@ def test_restored_tensors_die_after_use(monkeypatch):
     assert restored and offload.offloaded_bytes > 0
     assert not alive_at_release, f"{len(alive_at_release)} of {len(restored)} restored tensors outlived Phase C"
 
-
-def test_shared_saves_are_counted(monkeypatch):
-    gen = torch.Generator().manual_seed(3)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
-    group = random_group(gen, prefix=(12, 16), n=(1, 1))
-    packs = _recorded_packs(monkeypatch)
-    with hf_prefixflow.prefix_group(model, group.prefix) as g:
-        entries = [e for _, e in packs if isinstance(e, hf_prefixflow.offload.Offloaded)]
-        copies = {id(e): e for e in entries}
-        assert len(copies) < len(entries)
-        assert any(e.saves >= 3 for e in copies.values())  # q, k and v projections read one layer input
-        g(group.suffixes[0][None]).logits.sum().backward()
