@@ -48,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow.model import unwrap
+from hf_prefixflow.offload import RECOMPUTE_SHARE
 from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30
@@ -150,7 +151,7 @@ def prefixflow_step(model, prompt, suffixes, wave: int, mark: Callable[[str | No
 def run_step(bench: Bench, mode: str, prompt, suffixes, wave: int) -> tuple[float, dict[str, float]]:
     """One step of `mode`; its seconds (synchronised at both ends only) and its peaks per phase."""
     model = bench.model
-    hf_prefixflow.apply_prefixflow(model, offload=mode == "offload")
+    hf_prefixflow.apply_prefixflow(model, offload=mode == "offload", offload_recompute=bench.args.offload_recompute)
     model.zero_grad(set_to_none=True)
     bench.trial_total = len(prompt) + len(suffixes[0])
     peaks = PhasePeaks(bench.device)
@@ -382,7 +383,8 @@ def markdown(report: dict) -> str:
              "", f"Model {c['model']} ({c['dtype']}, sdpa, {'' if c.get('checkpointing') else 'no '}checkpointing, "
              f"full-parameter, no optimizer step); weights + "
              f"gradients = {c['static_gib']} GiB in every peak. Step = one group (baseline: N rows [P||S_i] fwd+bwd; "
-             f"PrefixFlow: Phase A + N suffix waves + Phase C), wave {c['wave']}.", "",
+             f"PrefixFlow: Phase A + N suffix waves + Phase C), wave {c['wave']}. Offload recomputes "
+             f"{c['offload_recompute']:.0%} of the prefix layers in Phase C (their inputs wait on the host too).", "",
              "| P / S | N | offload | baseline peak GiB | Phase B peak GiB | reduction | A / C peak GiB | "
              "baseline s | PrefixFlow s | host pool GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
@@ -459,6 +461,8 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=480.0, help="no new step starts after this")
     parser.add_argument("--sections", default="fixed,frontier,long")
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    parser.add_argument("--offload-recompute", type=float, default=RECOMPUTE_SHARE,
+                        help="share of prefix layers Phase C recomputes instead of copying back (offload mode)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -471,7 +475,8 @@ def main() -> None:
     out = pathlib.Path(args.out)
     device = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
     report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": "python benchmarks/memory.py "
-                         + ("--tiny" if args.tiny else f"--sections {args.sections}"), "device": device,
+                         + ("--tiny" if args.tiny else f"--sections {args.sections} --splits {args.splits} "
+                            f"--offload-recompute {args.offload_recompute}"), "device": device,
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "date": datetime.date.today().isoformat(), "static_gib": round(bench.static_gib(), 3),
                          "dtype": str(next(bench.model.parameters()).dtype).removeprefix("torch.")},

@@ -26,10 +26,11 @@ parameter's full gradient before the optimizer step, every weight after it (fp32
 SP capacity: the Qwen3-1.7B shape (bf16 weights and grads, non-reentrant checkpointing, fwd+bwd, no optimizer, N=4
 completions of 256 tokens), every GPU capped with set_per_process_memory_fraction (--cap-gib, default 20 GiB, to keep
 the bracketing short). GPU 0 alone brackets the longest prompt the one-GPU full-sequence baseline fits (doubling from
-16k, then bisecting to 16k; OOMs are caught; a probe runs one `[P || S]` row, whose peak is the group's since TRL
-runs rows one after another). Both GPUs then run the whole group with Ulysses SP=2 PrefixFlow (low-level API) at the
-first length that OOMed the baseline, if a linear fit of two short SP probes says it fits, else at the longest length
-the fit allows (an OOM inside a collective would hang the other rank). Reported: time, tokens/s (probes: P + S; SP
+16k, then bisecting to 8k; OOMs are caught; a probe runs one `[P || S]` row, whose peak is the group's since TRL
+runs rows one after another). Both GPUs then run the whole group with Ulysses SP=2 PrefixFlow (low-level API, prefix
+offload on: each rank's checkpointed layer inputs wait on the host during Phase B) at the first length that OOMed the
+baseline, if a linear fit of SP probes at a quarter and half of it says it fits, else at the longest length the fit
+allows (an OOM inside a collective would hang the other rank). Reported: time, tokens/s (probes: P + S; SP
 group: P + N*S) and peak memory per GPU, and whether SP=2 trained where the baseline OOMed.
 
 Writes `multi_gpu_suite.json` and `.md` under --out after every run (a run cut by --deadline-s keeps what finished),
@@ -112,7 +113,8 @@ class Suite:
         self.capacity_cfg = dict(
             tiny=tiny, shape="tiny" if tiny else args.capacity_shape, n=2 if tiny else 4, suffix=8 if tiny else 256,
             cap_gib=args.cap_gib, start_prefix=64 if tiny else 16384, max_prefix=1 << 12 if tiny else 1 << 20,
-            precision_tokens=32 if tiny else 16384, granularity=8 if tiny else 1024, tiny_oom_tokens=300, collective_timeout_s=120,
+            precision_tokens=32 if tiny else 8192, granularity=8 if tiny else 1024, tiny_oom_tokens=300,
+            collective_timeout_s=120, offload=True,
             budget_s=args.capacity_budget_s, reserve_s=5 if tiny else 25)
         self.result = {
             "suite": "benchmarks/multi_gpu_suite.py", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -348,12 +350,14 @@ def main() -> None:
 
     suite = Suite(args)
     suite.write()
-    suite.train("baseline", 1)
-    for engine in filter(None, args.engines.split(",")):
+    engines, controls = (list(filter(None, names.split(","))) for names in (args.engines, args.controls))
+    if engines or controls:
+        suite.train("baseline", 1)
+    for engine in engines:
         suite.train(engine, 2)
     if not args.no_capacity:
         suite.capacity()
-    for engine in filter(None, args.controls.split(",")):
+    for engine in controls:
         suite.train(engine, 2)
     suite.write()
     print((suite.out / "multi_gpu_suite.md").read_text())

@@ -285,7 +285,7 @@ def capacity(out_json: str, cfg: dict) -> None:
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = hf_prefixflow.apply_prefixflow(model.train())
+    model = hf_prefixflow.apply_prefixflow(model.train(), offload=cfg["offload"])  # prefix groups only: SP runs
     vocab, n, suffix = config.vocab_size, cfg["n"], cfg["suffix"]
     result = {"shape": cfg["shape"], "N": n, "S": suffix, "cap_gib": None if tiny else cfg["cap_gib"],
               "memory_cap": "torch.cuda.set_per_process_memory_fraction on every GPU" if not tiny else
@@ -386,11 +386,12 @@ def capacity(out_json: str, cfg: dict) -> None:
         target = torch.zeros(2, dtype=torch.long, device=device)
     dist.broadcast(target, 0)
     oom_length, fit_length = target.tolist()
-    # 2. Both ranks: SP=2 at two short lengths (a linear fit of the per-rank peak), then at the length that OOMed the
+    # 2. Both ranks: SP=2 at a quarter and half of the target (a linear fit of the per-rank peak: shorter probes peak
+    # in the LM head, before the P-sized gK/gV exist, and under-predict the slope), then at the length that OOMed the
     # baseline if the fit says it fits under the cap, else at the longest length the fit allows (an OOM inside a
     # collective would hang the other rank until the timeout, so nothing runs where the fit says it would not fit).
     length = oom_length or (fit_length * 2 if fit_length else cfg["start_prefix"])
-    probe_length = max(cfg["start_prefix"] // 4, 256)
+    probe_length = max(length // 4 // cfg["granularity"] * cfg["granularity"], cfg["granularity"])
     probes = [measure(sp2, probe_length), measure(sp2, 2 * probe_length)]
     ok = torch.tensor([int(all(p["ok"] for p in probes))], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)

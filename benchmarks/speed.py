@@ -77,7 +77,7 @@ def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = " --compile" * args.compile + " --lora" * args.lora
+    flags = " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload
     lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
              f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
@@ -98,11 +98,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer instead of full gradients")
+    parser.add_argument("--offload", action="store_true",
+                        help="PrefixFlow offloads dormant prefix activations (the memory buys larger --wave)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
 
-    model = build(args.model, compile=args.compile, lora=args.lora)
+    model = hf_prefixflow.apply_prefixflow(build(args.model, compile=args.compile, lora=args.lora), offload=args.offload)
     shape = ModelShape.from_config(model.config)
     vocab = model.config.vocab_size
     model_name = args.model + ("+lora" if args.lora else "")
@@ -117,7 +119,8 @@ def main() -> None:
             pf_s, pf_gib = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
             model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
-            row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n, "wave": args.wave,
+            row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n,
+                   "wave": args.wave, "offload": args.offload,
                    "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
                    "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
                    "share_of_bound": round(base_s / pf_s / bound, 3),

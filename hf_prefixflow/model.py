@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from . import attention, moe
 from .errors import PrefixFlowError
+from .offload import check_recompute_share
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -62,14 +63,17 @@ def check_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_prefixflow(
-    model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None
+    model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None,
+    offload_recompute: float | None = None,
 ) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
 
     `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
-    (`hf_prefixflow.offload`). `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing
-    them when the model uses activation checkpointing (the prefix stays checkpointed): the memory the shared prefix
-    frees buys back the recompute. `None` keeps the current setting of each (off / on by default).
+    (`hf_prefixflow.offload`); `offload_recompute` is the share of prefix layers that Phase C recomputes from their
+    offloaded inputs instead of copying their activations back (default `offload.RECOMPUTE_SHARE`).
+    `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing them when the model uses
+    activation checkpointing (the prefix stays checkpointed): the memory the shared prefix frees buys back the
+    recompute. `None` keeps the current setting of each (off / on by default).
 
     Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
     the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
@@ -90,6 +94,8 @@ def apply_prefixflow(
         inner._prefixflow_offload = bool(offload)
     if suffix_checkpointing is not None:
         inner._prefixflow_suffix_checkpointing = bool(suffix_checkpointing)
+    if offload_recompute is not None:
+        inner._prefixflow_offload_recompute = check_recompute_share(offload_recompute)
     return model
 
 

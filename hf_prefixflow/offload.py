@@ -9,18 +9,67 @@ copying the next ones back, up to `PREFETCH_BYTES` ahead of need, and a tensor t
 demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C
 holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that
 exercises the bookkeeping).
+
+Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
+than its backward takes to run. `recomputed_layers` therefore checkpoints a share of the prefix layers during
+Phase A: only their inputs leave the device, and Phase C recomputes their activations (exactly: the same kernels
+on the same inputs) while the copies of the other layers stream in behind that compute.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
 from dataclasses import dataclass, field
 
-import weakref
-
 import torch
+import torch.utils.checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 PREFETCH_BYTES = 2 << 30  # about two decoder layers of a long prefix: enough to hide a copy behind a layer's backward
+# Prefix layers recomputed in Phase C instead of copied back. On an H200 a Qwen3-1.7B layer's activations take about
+# 3x its backward to return over PCIe, and its recompute costs a third of its backward, so recomputing every other
+# layer keeps the copies behind compute (benchmarks/memory.py measures 0, 0.5 and 1).
+RECOMPUTE_SHARE = 0.5
+
+
+def check_recompute_share(share: float) -> float:
+    if not 0.0 <= share <= 1.0:
+        raise PrefixFlowError(f"offload_recompute is the share of prefix layers that Phase C recomputes, a number in "
+                              f"[0, 1]; got {share}.")
+    return float(share)
+
+
+def _spread(count: int, share: float) -> list[int]:
+    """Indices of round(share * count) of `count` layers, evenly spaced and ending at the last one (Phase C starts
+    there, with nothing prefetched yet, so it should need only a layer input)."""
+    chosen = round(share * count)
+    return sorted({count - 1 - (i * count) // chosen for i in range(chosen)}) if chosen else []
+
+
+@contextlib.contextmanager
+def recomputed_layers(decoder: torch.nn.Module, share: float):
+    """Checkpoint `share` of `decoder`'s layers (non-reentrant) for the enclosed prefix forward; layers the user
+    already checkpoints stay as they are."""
+    layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+    switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
+    previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
+    recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    for layer in switched:
+        layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, recompute
+    try:
+        yield
+    finally:
+        for layer, func in zip(switched, previous):
+            layer.gradient_checkpointing = False
+            if func is None:
+                del layer._gradient_checkpointing_func
+            else:
+                layer._gradient_checkpointing_func = func
 
 
 class HostPool:

@@ -25,9 +25,9 @@ from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, checkpointing_suspended, unwrap
+from .model import check_checkpointing, checkpointing_suspended, decoder_of, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
-from .offload import HostPool, PrefixOffload
+from .offload import RECOMPUTE_SHARE, HostPool, PrefixOffload, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -127,7 +127,7 @@ class PrefixGroup:
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         self.offload = self._offloader()
-        with self.offload.hooks() if self.offload else contextlib.nullcontext():
+        with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing():
             module, extra = fsdp.prefix_forward(self.model)
             out = self._forward(
                 module, self.prefix_ids[:, :-1], positions,
@@ -154,6 +154,12 @@ class PrefixGroup:
         offload = PrefixOffload(device, pool)
         offload.caches.append(self.cache)
         return offload
+
+    def _recomputing(self) -> contextlib.AbstractContextManager:
+        if self.offload is None:
+            return contextlib.nullcontext()
+        share = getattr(self._inner, "_prefixflow_offload_recompute", RECOMPUTE_SHARE)
+        return recomputed_layers(decoder_of(self._inner), share)
 
     def _adopt(self, cache: TrainingKVCache) -> None:
         """Open on prefix K/V computed by another rank's Phase A (`distributed.placement`): the waves read `cache`,

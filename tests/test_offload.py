@@ -153,3 +153,53 @@ def test_restored_tensors_die_after_use(monkeypatch):
     assert restored and offload.offloaded_bytes > 0
     assert not alive_at_release, f"{len(alive_at_release)} of {len(restored)} restored tensors outlived Phase C"
 
+
+
+@pytest.mark.parametrize("share,recomputed", [(0.0, []), (0.25, [3]), (0.5, [1, 3]), (1.0, [0, 1, 2, 3])])
+def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recomputed):
+    """Phase C recomputes the chosen layers (the last one first) from their offloaded inputs, with the same
+    gradients; the other layers' activations come back from the host, and the layers are restored after Phase A."""
+    gen = torch.Generator().manual_seed(int(share * 8))
+    model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=4).train())
+    group = random_group(gen, prefix=(12, 20), n=(2, 4))
+    plan = random_plan(gen, len(group.suffixes))
+    prefixflow_backward(model, group, plan)
+    expected = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=share)
+    calls = []
+    for index, layer in enumerate(model.model.layers):  # a recompute reruns the layer's forward, not its hooks
+        layer.self_attn.k_proj.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
+    prefixflow_backward(model, group, plan)
+    layers = len(model.model.layers)
+    waves = len(plan)
+    assert calls[:layers] == list(range(layers))  # Phase A
+    assert sorted(calls[layers * (1 + waves):]) == recomputed  # Phase C: only the recomputed layers run again
+    assert not any(layer.gradient_checkpointing or "_gradient_checkpointing_func" in vars(layer)
+                   for layer in model.model.layers)
+    for name, grad in gradients(model).items():
+        assert_rel_close(grad, expected[name], name, rtol=1e-12)
+
+
+def test_recomputed_layers_leave_fewer_bytes_to_copy():
+    """A recomputed layer leaves only its input on the host: the more layers recomputed, the fewer bytes move."""
+    moved = []
+    for share in (0.0, 0.5, 1.0):
+        gen = torch.Generator().manual_seed(5)
+        model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=4).train(), offload=True,
+                                               offload_recompute=share)
+        group = random_group(gen, prefix=(16, 17), n=(2, 3))
+        offloads = []
+        original = hf_prefixflow.scheduler.PrefixGroup._offloader
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
+                          lambda self: offloads.append(original(self)) or offloads[-1])
+            prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+        moved.append(offloads[0].offloaded_bytes)
+    assert moved[0] > moved[1] > moved[2] > 0
+
+
+def test_recompute_share_out_of_range_is_refused():
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match=r"offload_recompute.*\[0, 1\]"):
+        hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=1.5)
