@@ -31,10 +31,11 @@ from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 PREFETCH_BYTES = 2 << 30  # about two decoder layers of a long prefix: enough to hide a copy behind a layer's backward
-# Prefix layers recomputed in Phase C instead of copied back. On an H200 a Qwen3-1.7B layer's activations take about
-# 3x its backward to return over PCIe, and its recompute costs a third of its backward, so recomputing every other
-# layer keeps the copies behind compute (benchmarks/memory.py measures 0, 0.5 and 1).
-RECOMPUTE_SHARE = 0.5
+# Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
+# benchmarks/results/memory*.md), offload cost 19.3% of step time copying every layer back, 6.6% recomputing half
+# and 5.7% recomputing all, at the same Phase-B peak for any share above zero: a layer recomputes faster than its
+# activations cross PCIe. Models with more compute per activation byte may prefer a share below 1.
+RECOMPUTE_SHARE = 1.0
 
 
 def check_recompute_share(share: float) -> float:
