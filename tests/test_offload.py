@@ -35,7 +35,7 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
     original = hf_prefixflow.scheduler.PrefixGroup._offloader
     monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
                         lambda self: offloads.append(original(self)) or offloads[-1])
-    hf_prefixflow.apply_prefixflow(model, offload=True)
+    hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=0.5)  # one path per layer: copied, recomputed
     prefixflow_backward(model, group, plan)
     for name, grad in gradients(model).items():
         # exact values; a restored tensor is contiguous, so a backward matmul may take another BLAS path (1 ulp)
@@ -57,7 +57,7 @@ def _recorded_packs(monkeypatch) -> list:
 
 def test_offload_skips_parameters_and_the_cached_kv_and_copies_shared_saves_once(monkeypatch):
     gen = torch.Generator().manual_seed(1)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=0)
     group = random_group(gen, prefix=(10, 16), n=(2, 3))
     packs = _recorded_packs(monkeypatch)
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
@@ -128,7 +128,7 @@ def test_restored_tensors_die_after_use(monkeypatch):
     """Restored tensors must not outlive their last use: held until the end of Phase C, they would put the whole
     prefix activation stack back on the device at once."""
     gen = torch.Generator().manual_seed(2)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=0)
     group = random_group(gen, prefix=(12, 16), n=(2, 3))
     restored, alive_at_release, offloads = [], [], []
     offload_cls = hf_prefixflow.offload.PrefixOffload
