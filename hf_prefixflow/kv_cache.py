@@ -133,5 +133,12 @@ def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.back
         return 0
     anchors = [c.anchor for c in caches if c.anchor is not None and c.pending()]
     backward([t.live for t in pending] + anchors,
-             [t.grad.to(t.live.dtype) for t in pending] + [torch.zeros_like(a) for a in anchors])
+             [_handed_over(t) for t in pending] + [torch.zeros_like(a) for a in anchors])
     return len(pending)
+
+
+def _handed_over(tensor: CachedTensor) -> torch.Tensor:
+    """A tensor's gK/gV in its live dtype, its fp32 accumulator dropped as soon as it is cast: otherwise every
+    layer's accumulator and its cast copy would live together through the whole of Phase C."""
+    grad, tensor.grad = tensor.grad, None
+    return grad.to(tensor.live.dtype)
