@@ -28,7 +28,8 @@ def main() -> None:
     rows: dict[tuple, dict] = {}
     for name in args.files:
         for row in json.loads(pathlib.Path(name).read_text()):
-            key = (row["model"], row["mode"], row["P"], row["S"], row["N"], row.get("wave", 1), row.get("offload", False))
+            key = (row["model"], row["mode"], row["P"], row["S"], row["N"], row.get("wave", 1),
+                   row.get("offload", False))
             rows[key] = {**row, "source": pathlib.Path(name).name}
     ordered = [rows[k] for k in sorted(rows)]
     out = pathlib.Path(args.out)
@@ -36,7 +37,8 @@ def main() -> None:
         row["with_cost_model"] = row["speedup"] if row["flop_bound"] >= MIN_SPEEDUP else 1.0
     lines = ["| model | mode | P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share | "
              "with cost model | source |", "| --- " * 12 + "|"]
-    lines += [f"| {r['model']}{' +offload' * r.get('offload', False)} | {r['mode']} | {r['P']} / {r['S']} | {r['N']} | {r.get('wave', 1)} | "
+    lines += [f"| {r['model']}{' +offload' * r.get('offload', False)} | {r['mode']} | {r['P']} / {r['S']} | "
+              f"{r['N']} | {r.get('wave', 1)} | "
               f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
               f"{r['speedup'] / r['flop_bound']:.0%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
     (out / "latest.json").write_text(json.dumps(ordered, indent=1))
