@@ -1,0 +1,139 @@
+"""Where a group's peak device memory goes: the live allocations at the peak, grouped by the code that made them.
+
+    PYTHONPATH=. python benchmarks/memory_trace.py --shares 0,1                        # one GPU, offload shares
+    PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/memory_trace.py --sp --prefix 8192,16384   # Ulysses SP=2
+
+One group of the Qwen3-1.7B shape (speed.py's `build`) runs with the allocator's history on (the second of two
+runs, so the first warms caches and pools). The history's alloc / free_requested events are replayed to find the
+moment the live set is largest; that set is summed per allocating frame (the first three outside torch).
+`max_memory_allocated` can exceed the traced set: weights and anything allocated before recording are not traced.
+Single GPU: P=--prefix, N suffixes of --suffix tokens, one per wave, no checkpointing, offload on at each
+--shares value (`offload_recompute`). --sp: the SP capacity run's group (non-reentrant checkpointing, offload on,
+N suffixes in one wave, sharded over the two ranks), traced on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+import torch
+
+import hf_prefixflow
+from speed import build, suffix_loss
+
+GIB = 2**30
+
+
+def frames(event: dict) -> str:
+    ours = [f for f in event.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
+    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours[:3]) or "(torch)"
+
+
+def peak_set(trace: list[dict]) -> tuple[int, dict[str, int]]:
+    """Bytes live at the largest point of `trace`, and their split by allocating frames."""
+    live, current, best, best_live = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+        if current > best:
+            best, best_live = current, dict(live)
+    split = collections.Counter()
+    for event in best_live.values():
+        split[frames(event)] += event["size"]
+    return best, split
+
+
+def traced(run, device: int) -> tuple[float, int, dict[str, int]]:
+    """Run `run` twice; trace the second. Returns max_memory_allocated (GiB), traced peak bytes and its split."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    run()
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    best, split = peak_set(snapshot["device_traces"][device])
+    return torch.cuda.max_memory_allocated() / GIB, best, split
+
+
+def report(title: str, peak_gib: float, best: int, split: dict[str, int]) -> None:
+    print(f"{title}: max_memory_allocated {peak_gib:.2f} GiB, traced live at the peak {best / GIB:.2f} GiB", flush=True)
+    for where, size in sorted(split.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {size / GIB:7.3f} GiB  {where}", flush=True)
+
+
+def one_gpu(args) -> None:
+    model = build("qwen3-1.7b")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.prefix[0],), device="cuda", generator=gen)
+    suffixes = torch.randint(0, model.config.vocab_size, (args.n, args.suffix), device="cuda", generator=gen)
+
+    def group():
+        model.zero_grad(set_to_none=True)
+        with hf_prefixflow.prefix_group(model, prompt) as g:
+            for row in suffixes.split(1):
+                suffix_loss(g(row).logits, row).backward()
+
+    for share in args.shares:
+        hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=share)
+        report(f"P={args.prefix[0]} S={args.suffix} N={args.n} offload_recompute={share}", *traced(group, 0))
+
+
+def sequence_parallel(args) -> None:
+    import torch.distributed as dist
+
+    from hf_prefixflow.distributed import ulysses
+
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    model = build("qwen3-1.7b", prefixflow=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = hf_prefixflow.apply_prefixflow(model, offload=True)
+    sp = ulysses.SequenceParallel()
+    for prefix in args.prefix:
+        prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
+        suffixes = torch.randint(0, model.config.vocab_size, (args.n, args.suffix), device="cuda")
+        dist.broadcast(prompt, 0)
+        dist.broadcast(suffixes, 0)
+
+        def group():
+            model.zero_grad(set_to_none=True)
+            with ulysses.prefix_group(model, prompt, sp) as g:
+                out = g(suffixes, attention_mask=torch.ones_like(suffixes))
+                real = out.token_index >= 0
+                suffix_loss(out.logits[:, real], suffixes[:, out.token_index[real]]).backward()
+
+        result = traced(group, rank)
+        if rank == 0:
+            report(f"SP=2 P={prefix} S={args.suffix} N={args.n}, rank 0", *result)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sp", action="store_true", help="Ulysses SP=2 under torchrun (2 GPUs)")
+    parser.add_argument("--prefix", default=None, help="prefix lengths (one GPU: the first; default 10240 / 8192)")
+    parser.add_argument("--suffix", type=int, default=None, help="default 2048 (one GPU) / 256 (--sp)")
+    parser.add_argument("--n", type=int, default=None, help="default 3 (one GPU) / 4 (--sp)")
+    parser.add_argument("--shares", default="0,1", help="one GPU: offload_recompute values")
+    args = parser.parse_args()
+    args.prefix = [int(p) for p in (args.prefix or ("8192" if args.sp else "10240")).split(",")]
+    args.suffix = args.suffix or (256 if args.sp else 2048)
+    args.n = args.n or (4 if args.sp else 3)
+    args.shares = [float(s) for s in args.shares.split(",")]
+    if args.sp:
+        sequence_parallel(args)
+    else:
+        one_gpu(args)
+
+
+if __name__ == "__main__":
+    main()
