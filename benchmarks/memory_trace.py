@@ -7,6 +7,8 @@ One group of the Qwen3-1.7B shape (speed.py's `build`) runs with the allocator's
 runs, so the first warms caches and pools). The history's alloc / free_requested events are replayed to find the
 moment the live set is largest; that set is summed per allocating frame (the first three outside torch).
 `max_memory_allocated` can exceed the traced set: weights and anything allocated before recording are not traced.
+`--free-on free_completed` keeps a freed block live until the allocator may reuse it (after the other streams that
+used it, e.g. offload copies, are done).
 Single GPU: P=--prefix, N suffixes of --suffix tokens, one per wave, no checkpointing, offload on at each
 --shares value (`offload_recompute`). --sp: the SP capacity run's group (non-reentrant checkpointing, offload on,
 N suffixes in one wave, sharded over the two ranks), traced on rank 0.
@@ -31,14 +33,16 @@ def frames(event: dict) -> str:
     return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours[:3]) or "(torch)"
 
 
-def peak_set(trace: list[dict]) -> tuple[int, dict[str, int]]:
-    """Bytes live at the largest point of `trace`, and their split by allocating frames."""
+def peak_set(trace: list[dict], free_on: str = "free_requested") -> tuple[int, dict[str, int]]:
+    """Bytes live at the largest point of `trace`, and their split by allocating frames. A block is live until
+    `free_on`: "free_requested" (the tensor died) or "free_completed" (the allocator may reuse it, which waits for
+    the other streams that recorded a use of it)."""
     live, current, best, best_live = {}, 0, 0, {}
     for event in trace:
         if event["action"] == "alloc":
             live[event["addr"]] = event
             current += event["size"]
-        elif event["action"] == "free_requested" and event["addr"] in live:
+        elif event["action"] == free_on and event["addr"] in live:
             current -= live.pop(event["addr"])["size"]
         if current > best:
             best, best_live = current, dict(live)
@@ -48,7 +52,7 @@ def peak_set(trace: list[dict]) -> tuple[int, dict[str, int]]:
     return best, split
 
 
-def traced(run, device: int) -> tuple[float, int, dict[str, int]]:
+def traced(run, device: int, free_on: str) -> tuple[float, int, dict[str, int]]:
     """Run `run` twice; trace the second. Returns max_memory_allocated (GiB), traced peak bytes and its split."""
     run()
     torch.cuda.synchronize()
@@ -59,7 +63,7 @@ def traced(run, device: int) -> tuple[float, int, dict[str, int]]:
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    best, split = peak_set(snapshot["device_traces"][device])
+    best, split = peak_set(snapshot["device_traces"][device], free_on)
     return torch.cuda.max_memory_allocated() / GIB, best, split
 
 
@@ -83,7 +87,8 @@ def one_gpu(args) -> None:
 
     for share in args.shares:
         hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=share)
-        report(f"P={args.prefix[0]} S={args.suffix} N={args.n} offload_recompute={share}", *traced(group, 0))
+        title = f"P={args.prefix[0]} S={args.suffix} N={args.n} offload_recompute={share}, live until {args.free_on}"
+        report(title, *traced(group, 0, args.free_on))
 
 
 def sequence_parallel(args) -> None:
@@ -111,7 +116,7 @@ def sequence_parallel(args) -> None:
                 real = out.token_index >= 0
                 suffix_loss(out.logits[:, real], suffixes[:, out.token_index[real]]).backward()
 
-        result = traced(group, rank)
+        result = traced(group, rank, args.free_on)
         if rank == 0:
             report(f"SP=2 P={prefix} S={args.suffix} N={args.n}, rank 0", *result)
     dist.destroy_process_group()
@@ -124,6 +129,8 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=None, help="default 2048 (one GPU) / 256 (--sp)")
     parser.add_argument("--n", type=int, default=None, help="default 3 (one GPU) / 4 (--sp)")
     parser.add_argument("--shares", default="0,1", help="one GPU: offload_recompute values")
+    parser.add_argument("--free-on", default="free_requested", choices=["free_requested", "free_completed"],
+                        help="the event that ends a block's life in the replay")
     args = parser.parse_args()
     args.prefix = [int(p) for p in (args.prefix or ("8192" if args.sp else "10240")).split(",")]
     args.suffix = args.suffix or (256 if args.sp else 2048)
