@@ -151,7 +151,8 @@ def prefixflow_step(model, prompt, suffixes, wave: int, mark: Callable[[str | No
 def run_step(bench: Bench, mode: str, prompt, suffixes, wave: int) -> tuple[float, dict[str, float]]:
     """One step of `mode`; its seconds (synchronised at both ends only) and its peaks per phase."""
     model = bench.model
-    hf_prefixflow.apply_prefixflow(model, offload=mode == "offload", offload_recompute=bench.args.offload_recompute)
+    offload = mode == "offload"
+    hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=bench.args.prefix_recompute if offload else 0)
     model.zero_grad(set_to_none=True)
     bench.trial_total = len(prompt) + len(suffixes[0])
     peaks = PhasePeaks(bench.device)
@@ -384,7 +385,7 @@ def markdown(report: dict) -> str:
              f"full-parameter, no optimizer step); weights + "
              f"gradients = {c['static_gib']} GiB in every peak. Step = one group (baseline: N rows [P||S_i] fwd+bwd; "
              f"PrefixFlow: Phase A + N suffix waves + Phase C), wave {c['wave']}. Offload recomputes "
-             f"{c['offload_recompute']:.0%} of the prefix layers in Phase C (their inputs wait on the host too).", "",
+             f"{c['prefix_recompute']:.0%} of the prefix layers in Phase C (their inputs wait on the host too).", "",
              "| P / S | N | offload | baseline peak GiB | Phase B peak GiB | reduction | A / C peak GiB | "
              "baseline s | PrefixFlow s | host pool GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
@@ -461,7 +462,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=480.0, help="no new step starts after this")
     parser.add_argument("--sections", default="fixed,frontier,long")
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
-    parser.add_argument("--offload-recompute", type=float, default=RECOMPUTE_SHARE,
+    parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
                         help="share of prefix layers Phase C recomputes instead of copying back (offload mode)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
     parser.add_argument("--out", default="benchmarks/results")
@@ -476,7 +477,7 @@ def main() -> None:
     device = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
     report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": "python benchmarks/memory.py "
                          + ("--tiny" if args.tiny else f"--sections {args.sections} --splits {args.splits} "
-                            f"--offload-recompute {args.offload_recompute}"), "device": device,
+                            f"--prefix-recompute {args.prefix_recompute}"), "device": device,
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "date": datetime.date.today().isoformat(), "static_gib": round(bench.static_gib(), 3),
                          "dtype": str(next(bench.model.parameters()).dtype).removeprefix("torch.")},

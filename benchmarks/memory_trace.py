@@ -3,14 +3,15 @@
     PYTHONPATH=. python benchmarks/memory_trace.py --shares 0,1                        # one GPU, offload shares
     PYTHONPATH=. torchrun --nproc_per_node 2 benchmarks/memory_trace.py --sp --prefix 8192,16384   # Ulysses SP=2
 
-One group of the Qwen3-1.7B shape (speed.py's `build`) runs with the allocator's history on (the second of two
-runs, so the first warms caches and pools). The history's alloc / free_requested events are replayed to find the
+One group of the Qwen3-1.7B shape (speed.py's `build`) runs twice with the allocator's history on; the second
+run's peak is the one reported (the first warms caches and pools). The history's alloc / free_requested events are replayed to find the
 moment the live set is largest; that set is summed per allocating frame (the first three outside torch).
-`max_memory_allocated` can exceed the traced set: weights and anything allocated before recording are not traced.
+Both runs are recorded, so what the first run left allocated shows under its frames, marked "[earlier run]";
+`max_memory_allocated` can still exceed the traced set by what existed before recording (the weights).
 `--free-on free_completed` keeps a freed block live until the allocator may reuse it (after the other streams that
 used it, e.g. offload copies, are done).
 Single GPU: P=--prefix, N suffixes of --suffix tokens, one per wave, no checkpointing, offload on at each
---shares value (`offload_recompute`). --sp: the SP capacity run's group (non-reentrant checkpointing, offload on,
+--shares value (`prefix_recompute`). --sp: the SP capacity run's group (non-reentrant checkpointing, offload on,
 N suffixes in one wave, sharded over the two ranks), traced on rank 0.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 
 import torch
@@ -30,21 +32,26 @@ GIB = 2**30
 
 def frames(event: dict) -> str:
     ours = [f for f in event.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
-    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours[:3]) or "(torch)"
+    where = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours[:3]) or "(torch)"
+    if "earlier" not in event:
+        return where
+    if not ours:  # made by torch itself (e.g. in the autograd engine's thread): its own frames say more
+        where = " <- ".join(f"{f['name']}" for f in event.get("frames", [])[:4]) or "(no frames)"
+    return f"[earlier run, at {event['earlier']}% of it, stream {event.get('stream', '?')}] {where}"
 
 
-def peak_set(trace: list[dict], free_on: str = "free_requested") -> tuple[int, dict[str, int]]:
-    """Bytes live at the largest point of `trace`, and their split by allocating frames. A block is live until
-    `free_on`: "free_requested" (the tensor died) or "free_completed" (the allocator may reuse it, which waits for
-    the other streams that recorded a use of it)."""
+def peak_set(trace: list[dict], free_on: str = "free_requested", start: int = 0) -> tuple[int, dict[str, int]]:
+    """Bytes live at the largest point of `trace` from event `start` on (earlier events only build the live set),
+    and their split by allocating frames. A block is live until `free_on`: "free_requested" (the tensor died) or
+    "free_completed" (the allocator may reuse it, which waits for the other streams that recorded a use of it)."""
     live, current, best, best_live = {}, 0, 0, {}
-    for event in trace:
+    for index, event in enumerate(trace):
         if event["action"] == "alloc":
             live[event["addr"]] = event
             current += event["size"]
         elif event["action"] == free_on and event["addr"] in live:
             current -= live.pop(event["addr"])["size"]
-        if current > best:
+        if index >= start and current > best:
             best, best_live = current, dict(live)
     split = collections.Counter()
     for event in best_live.values():
@@ -52,18 +59,26 @@ def peak_set(trace: list[dict], free_on: str = "free_requested") -> tuple[int, d
     return best, split
 
 
-def traced(run, device: int, free_on: str) -> tuple[float, int, dict[str, int]]:
-    """Run `run` twice; trace the second. Returns max_memory_allocated (GiB), traced peak bytes and its split."""
+def traced(run, device: int, free_on: str, collect: bool = False) -> tuple[float, int, dict[str, int]]:
+    """Run `run` twice, recording both, and find the peak of the second: what the first left allocated at that
+    peak is listed under its own frames (marked "[earlier run]"). Returns max_memory_allocated (GiB) of the second
+    run, the traced peak bytes and their split. `collect`: run Python's garbage collector between the runs."""
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     run()
     torch.cuda.synchronize()
+    if collect:
+        gc.collect()
     torch.cuda.empty_cache()
+    start = len(torch.cuda.memory._snapshot()["device_traces"][device])
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     run()
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    best, split = peak_set(snapshot["device_traces"][device], free_on)
+    trace = snapshot["device_traces"][device]
+    for index, event in enumerate(trace[:start]):
+        event["earlier"] = 100 * index // max(start, 1)
+    best, split = peak_set(trace, free_on, start)
     return torch.cuda.max_memory_allocated() / GIB, best, split
 
 
@@ -86,9 +101,9 @@ def one_gpu(args) -> None:
                 suffix_loss(g(row).logits, row).backward()
 
     for share in args.shares:
-        hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=share)
-        title = f"P={args.prefix[0]} S={args.suffix} N={args.n} offload_recompute={share}, live until {args.free_on}"
-        report(title, *traced(group, 0, args.free_on))
+        hf_prefixflow.apply_prefixflow(model, offload=True, prefix_recompute=share)
+        title = f"P={args.prefix[0]} S={args.suffix} N={args.n} prefix_recompute={share}, live until {args.free_on}"
+        report(title + ", gc between runs" * args.gc, *traced(group, 0, args.free_on, args.gc))
 
 
 def sequence_parallel(args) -> None:
@@ -128,9 +143,10 @@ def main() -> None:
     parser.add_argument("--prefix", default=None, help="prefix lengths (one GPU: the first; default 10240 / 8192)")
     parser.add_argument("--suffix", type=int, default=None, help="default 2048 (one GPU) / 256 (--sp)")
     parser.add_argument("--n", type=int, default=None, help="default 3 (one GPU) / 4 (--sp)")
-    parser.add_argument("--shares", default="0,1", help="one GPU: offload_recompute values")
+    parser.add_argument("--shares", default="0,1", help="one GPU: prefix_recompute values")
     parser.add_argument("--free-on", default="free_requested", choices=["free_requested", "free_completed"],
                         help="the event that ends a block's life in the replay")
+    parser.add_argument("--gc", action="store_true", help="one GPU: collect Python garbage between the two runs")
     args = parser.parse_args()
     args.prefix = [int(p) for p in (args.prefix or ("8192" if args.sp else "10240")).split(",")]
     args.suffix = args.suffix or (256 if args.sp else 2048)

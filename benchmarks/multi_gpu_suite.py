@@ -27,11 +27,12 @@ SP capacity: the Qwen3-1.7B shape (bf16 weights and grads, non-reentrant checkpo
 completions of 256 tokens), every GPU capped with set_per_process_memory_fraction (--cap-gib, default 20 GiB, to keep
 the bracketing short). GPU 0 alone brackets the longest prompt the one-GPU full-sequence baseline fits (doubling from
 16k, then bisecting to 8k; OOMs are caught; a probe runs one `[P || S]` row, whose peak is the group's since TRL
-runs rows one after another). Both GPUs then run the whole group with Ulysses SP=2 PrefixFlow (low-level API, prefix
-offload on: each rank's checkpointed layer inputs wait on the host during Phase B) at the first length that OOMed the
-baseline, if a linear fit of SP probes at a quarter and half of it says it fits, else at the longest length the fit
-allows (an OOM inside a collective would hang the other rank). Reported: time, tokens/s (probes: P + S; SP
-group: P + N*S) and peak memory per GPU, and whether SP=2 trained where the baseline OOMed.
+runs rows one after another). Both GPUs then run the whole group, in one wave, with Ulysses SP=2 PrefixFlow
+(low-level API, prefix offload on: each rank's checkpointed layer inputs wait on the host during Phase B) at the first
+length that OOMed the baseline; if that fails, at halved lengths towards the longest that trains. Each SP length
+runs in a launch of its own, ended by a timeout if a rank runs out of memory inside a collective (its peer would
+wait forever). Reported: time, tokens/s (baseline: P + S; SP group: P + N*S) and peak memory per GPU, and whether
+SP=2 trained where the baseline OOMed.
 
 Writes `multi_gpu_suite.json` and `.md` under --out after every run (a run cut by --deadline-s keeps what finished),
 plus each run's log under `logs/`. Large snapshots stay in a scratch directory (--scratch, default a temp dir).
@@ -114,8 +115,7 @@ class Suite:
             tiny=tiny, shape="tiny" if tiny else args.capacity_shape, n=2 if tiny else 4, suffix=8 if tiny else 256,
             cap_gib=args.cap_gib, start_prefix=64 if tiny else 16384, max_prefix=1 << 12 if tiny else 1 << 20,
             precision_tokens=32 if tiny else 8192, granularity=8 if tiny else 1024, tiny_oom_tokens=300,
-            collective_timeout_s=120, offload=True,
-            budget_s=args.capacity_budget_s, reserve_s=5 if tiny else 25)
+            collective_timeout_s=120, offload=True, sp_timeout_s=60 if tiny else 150, reserve_s=5 if tiny else 25)
         self.result = {
             "suite": "benchmarks/multi_gpu_suite.py", "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "tolerance": TOLERANCE, "record_steps": self.steps, "train_config": self.train_cfg,
@@ -194,14 +194,43 @@ class Suite:
         self.write()
 
     def capacity(self) -> None:
-        timeout = self.budget("capacity")
-        if timeout is None:
-            return
-        self.capacity_cfg["budget_s"] = min(self.args.capacity_budget_s, timeout - 30)
-        path = self.scratch / "capacity.json"
-        run = self.launch("capacity", 2, "capacity", "-", str(path), json.dumps(self.capacity_cfg), timeout=timeout)
-        self.result["capacity"] = json.loads(path.read_text()) if path.exists() else {"error": f"rc={run['rc']}"}
+        """The baseline's bracket in one process, then SP=2 at the length that OOMed it, each SP length in a launch
+        of its own: a rank out of memory inside a collective hangs its peer, which only a timeout ends. If SP=2
+        fails there too, halve towards the longest length it trains (what it holds per GPU, for the record)."""
+        cfg = self.capacity_cfg
+        result = self._capacity_stage("capacity-baseline", 1, {"stage": "baseline"})
+        self.result["capacity"] = result
+        if "error" in result:
+            return self.write()
+        fits, fails = result["baseline_largest_fitting_P"], result["baseline_smallest_oom_P"]
+        target = fails or (2 * fits if fits else cfg["start_prefix"])
+        result["sp2_target_P"], result["sp2_runs"] = target, []
+        low, high, length = 0, None, target
+        while length and self.budget("capacity-sp2") is not None:
+            row = self._capacity_stage(f"capacity-sp2-{length}", 2, {"stage": "sp2", "P": length, "repeats": 2})
+            row = row.get("sp2") or {"P": length, "ok": False, "error": row.get("error", "no result")}
+            result["sp2_runs"].append(row)
+            low, high = (length, high) if row["ok"] else (low, length)
+            if row["ok"] or high - low <= cfg["precision_tokens"]:
+                break
+            length = (low + high) // 2 // cfg["granularity"] * cfg["granularity"]
+        result["sp2_largest_fitting_P"] = low or None
+        result["sp2_trains_where_baseline_ooms"] = bool(fails) and low >= fails
         self.write()
+
+    def _capacity_stage(self, name: str, nproc: int, stage: dict) -> dict:
+        timeout = self.budget(name)
+        if timeout is None:
+            return {"error": "deadline passed"}
+        path = self.scratch / f"{name}.json"
+        cfg = {**self.capacity_cfg, **stage, "budget_s": min(self.args.capacity_budget_s, timeout - 30)}
+        if stage["stage"] == "sp2":
+            timeout = min(timeout, cfg["sp_timeout_s"])
+        run = self.launch(name, nproc, "capacity", "-", str(path), json.dumps(cfg), timeout=timeout)
+        if path.exists():
+            return json.loads(path.read_text())
+        return {"error": "out of memory in a collective, or out of time (timed out)" if run["rc"] == "timeout"
+                else f"rc={run['rc']}"}
 
     def write(self) -> None:
         self.result["elapsed_s"] = round(self.elapsed(), 1)
@@ -313,18 +342,13 @@ def markdown(r: dict) -> str:
             for p in cap["baseline_probes"]:
                 lines.append(f"| 1 GPU full sequence, one row | {p['P']} | {'fits' if p['ok'] else 'OOM'} | {p.get('s', '-')} | "
                              f"{p.get('tokens_per_s', '-')} | {p.get('peak_gib', '-')} |")
-            for p in cap.get("sp2_probes", []):
-                lines.append(f"| SP=2 probe, whole group (rank 0) | {p['P']} | {'fits' if p['ok'] else 'OOM'} | {p.get('s', '-')} | "
-                             f"{p.get('tokens_per_s', '-')} | {p.get('peak_gib', '-')} |")
-            sp = cap.get("sp2") or {}
-            result = "fits" if sp.get("ok") else sp.get("skipped", "OOM")
-            lines.append(f"| **SP=2**, whole group | {sp.get('P', '-')} | {result} | {sp.get('s', '-')} | {sp.get('tokens_per_s', '-')} "
-                         f"| {sp.get('peak_gib_per_gpu', sp.get('peak_gib', '-'))} |")
+            for p in cap.get("sp2_runs", []):
+                result = "fits" if p.get("ok") else p.get("error", "OOM")
+                lines.append(f"| **SP=2**, whole group | {p['P']} | {result} | {p.get('s', '-')} | "
+                             f"{p.get('tokens_per_s', '-')} | {p.get('peak_gib_per_gpu', p.get('peak_gib', '-'))} |")
             lines += ["", f"Baseline: largest fitting P {cap.get('baseline_largest_fitting_P')}, smallest OOM P "
-                          f"{cap.get('baseline_smallest_oom_P')}; SP=2 predicted peak at P={cap.get('sp2_target_P')}: "
-                          f"{cap.get('sp2_predicted_peak_gib_at_target')} GiB; SP=2 trains where the baseline OOMs: "
-                          f"{cap.get('sp2_trains_where_baseline_ooms')}"
-                          + (f" ({cap['sp2_target_reason']})." if cap.get("sp2_target_reason") else ".")]
+                          f"{cap.get('baseline_smallest_oom_P')}. SP=2: largest fitting P {cap.get('sp2_largest_fitting_P')}; "
+                          f"trains where the baseline OOMs: {cap.get('sp2_trains_where_baseline_ooms')}."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """One rank of a run of `benchmarks/multi_gpu_suite.py` (launched by it through torch.distributed.run).
 
     python -m torch.distributed.run --nproc_per_node N benchmarks/multi_gpu_worker.py train ENGINE SCRATCH JSON_ARGS
-    python -m torch.distributed.run --nproc_per_node 2 benchmarks/multi_gpu_worker.py capacity - OUT_JSON JSON_ARGS
+    python -m torch.distributed.run --nproc_per_node 1|2 benchmarks/multi_gpu_worker.py capacity - OUT_JSON JSON_ARGS
 
 `train` ENGINE: `baseline` (stock GRPOTrainer, one process), `zero2`/`zero3` (PrefixFlowGRPOTrainer under DeepSpeed
 ZeRO), `sp2` (PrefixFlowGRPOTrainer, prefixflow_sp_size=2), and the controls `stock-zero2`/`stock-zero3`/`stock-ddp`
@@ -12,8 +12,9 @@ every parameter's full gradient right before the optimizer step (DeepSpeed: `saf
 others: `on_pre_optimizer_step`, after PrefixFlow's Phase C and DP all-reduce), and every weight after the step
 (DeepSpeed: the fp32 master weights, `safe_get_full_fp32_param`, gathered under ZeRO-3; others: the fp32 weights).
 
-`capacity`: the low-level API on a bigger shape; rank 0 brackets the one-GPU full-sequence baseline's largest prefix
-under a memory cap, then both ranks train the same group with Ulysses SP=2 (see the suite's docstring).
+`capacity`: the low-level API on a bigger shape, under a memory cap. JSON_ARGS "stage" "baseline" (one process):
+bracket the one-GPU full-sequence baseline's largest prefix; "sp2" (two processes): train one group of prefix "P"
+with Ulysses SP=2 (see the suite's docstring).
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def capacity(out_json: str, cfg: dict) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if tiny else "nccl", timeout=datetime.timedelta(seconds=cfg["collective_timeout_s"]))
     rank = dist.get_rank()
-    deadline = time.time() + cfg["budget_s"]
+    deadline = time.time() + cfg.get("budget_s", 0)
     if not tiny:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * 2**30 / total), device)
@@ -291,7 +292,7 @@ def capacity(out_json: str, cfg: dict) -> None:
               "memory_cap": "torch.cuda.set_per_process_memory_fraction on every GPU" if not tiny else
               f"simulated: --tiny raises OOM above {cfg['tiny_oom_tokens']} tokens per forward",
               "precision": "fp32" if tiny else "bf16 weights and grads, no optimizer (fwd+bwd only, like speed.py)",
-              "checkpointing": "non-reentrant", "baseline_probes": [], "sp2": None}
+              "checkpointing": "non-reentrant", "baseline_probes": []}
 
     def group(length: int):
         gen = torch.Generator(device="cpu").manual_seed(length)
@@ -312,7 +313,7 @@ def capacity(out_json: str, cfg: dict) -> None:
             logits = model(ids, logits_to_keep=len(s) + 1, use_cache=False).logits[:, :-1]
             loss_of(logits, s[None]).backward()
 
-    sp = ulysses.SequenceParallel()
+    sp = ulysses.SequenceParallel() if cfg["stage"] == "sp2" else None
 
     def sp2(prompt, suffixes):  # the whole group as one padded wave, sharded over both GPUs
         check_tiny((len(prompt) + n * suffix) // 2)
@@ -355,8 +356,7 @@ def capacity(out_json: str, cfg: dict) -> None:
             with open(out_json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    # 1. Rank 0 alone: the full-sequence baseline, doubling then bisecting to the first length that does not fit.
-    if rank == 0:
+    if cfg["stage"] == "baseline":  # one process: the full-sequence baseline, doubling then bisecting
         fits, fails = None, None
         length = cfg["start_prefix"]
         while time.time() < deadline - cfg["reserve_s"] and length <= cfg["max_prefix"]:
@@ -381,49 +381,15 @@ def capacity(out_json: str, cfg: dict) -> None:
             write()
             fits, fails = (mid, fails) if row["ok"] else (fits, mid)
         result["baseline_largest_fitting_P"], result["baseline_smallest_oom_P"] = fits, fails
-        target = torch.tensor([fails or 0, fits or 0], dtype=torch.long, device=device)
-    else:
-        target = torch.zeros(2, dtype=torch.long, device=device)
-    dist.broadcast(target, 0)
-    oom_length, fit_length = target.tolist()
-    # 2. Both ranks: SP=2 at a quarter and half of the target (a linear fit of the per-rank peak: shorter probes peak
-    # in the LM head, before the P-sized gK/gV exist, and under-predict the slope), then at the length that OOMed the
-    # baseline if the fit says it fits under the cap, else at the longest length the fit allows (an OOM inside a
-    # collective would hang the other rank until the timeout, so nothing runs where the fit says it would not fit).
-    length = oom_length or (fit_length * 2 if fit_length else cfg["start_prefix"])
-    probe_length = max(length // 4 // cfg["granularity"] * cfg["granularity"], cfg["granularity"])
-    probes = [measure(sp2, probe_length), measure(sp2, 2 * probe_length)]
-    ok = torch.tensor([int(all(p["ok"] for p in probes))], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    result["sp2_probes"] = probes
-    result["sp2_target_P"], predicted = length, None
-    if not tiny and ok.item():
-        peaks = torch.tensor([p["peak_gib"] for p in probes], device=device)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        base, slope = peaks[0].item(), (peaks[1] - peaks[0]).item() / probe_length
-        predicted = base + slope * (length - probe_length)
-        result["sp2_gib_per_1k_prefix_tokens"] = round(slope * 1024, 4)
-        if predicted > cfg["cap_gib"] * 0.95 and slope > 0:  # the longest prefix the fit allows, with a margin
-            allowed = probe_length + (cfg["cap_gib"] * 0.9 - base) / slope
-            result["sp2_target_P"] = length = max(2 * probe_length, int(allowed) // 1024 * 1024)
-            result["sp2_target_reason"] = "the fit says the baseline's OOM length does not fit: longest that does"
-            predicted = base + slope * (length - probe_length)
-    result["sp2_predicted_peak_gib_at_target"] = None if predicted is None else round(predicted, 2)
-    go = bool(ok.item()) and time.time() < deadline - 5
-    go_t = torch.tensor([int(go)], device=device)
-    dist.all_reduce(go_t, op=dist.ReduceOp.MIN)
-    if go_t.item():
-        row = measure(sp2, length, repeats=2 if time.time() < deadline - cfg["reserve_s"] else 1)
+    else:  # both ranks, one length: an OOM inside a collective hangs the other rank, so the suite times us out
+        row = measure(sp2, cfg["P"], repeats=cfg["repeats"])
         if not tiny:
             peak = torch.tensor([row.get("peak_gib", 0.0)], device=device)
             peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
             dist.all_gather(peaks, peak)
             row["peak_gib_per_gpu"] = [round(p.item(), 2) for p in peaks]
         result["sp2"] = row
-    else:
-        result["sp2"] = {"P": length, "ok": False, "skipped": "short SP probes failed, or out of time"}
-    result["sp2_trains_where_baseline_ooms"] = bool(oom_length and result["sp2"].get("ok") and length == oom_length)
-    print(json.dumps({"sp2": result["sp2"]}), flush=True)
+        print(json.dumps({"sp2": row}), flush=True)
     write()
     dist.barrier()
     dist.destroy_process_group()

@@ -67,25 +67,30 @@ def prefixflow_group(model, prompt, suffixes, wave: int) -> None:
             suffix_loss(group(batch).logits, batch).backward()
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """Median seconds over `repeats` runs after one warm-up, and the peak allocated GiB."""
+def timed(fn, repeats: int) -> tuple[float, float, int]:
+    """Median seconds over `repeats` runs after one warm-up, the peak allocated GiB, and how often the allocator
+    had to free its cache and retry (each retry synchronises the device: a run near the memory limit pays for it)."""
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     seconds = median_seconds(fn, repeats, warmup=1, after_warmup=torch.cuda.reset_peak_memory_stats)
-    return seconds, torch.cuda.max_memory_allocated() / 2**30
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+    return seconds, torch.cuda.max_memory_allocated() / 2**30, retries
 
 
 def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload
+    flags = " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload + (
+        f" --prefix-recompute {args.prefix_recompute}" if args.prefix_recompute is not None else "")
     lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
              f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
-             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF "
+             "| allocator retries base / PF |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
               f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.0%} | {r['baseline_peak_gib']:.1f} / "
-              f"{r['prefixflow_peak_gib']:.1f} |" for r in rows]
+              f"{r['prefixflow_peak_gib']:.1f} | {r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |"
+              for r in rows]
     (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -100,11 +105,14 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer instead of full gradients")
     parser.add_argument("--offload", action="store_true",
                         help="PrefixFlow offloads dormant prefix activations (the memory buys larger --wave)")
+    parser.add_argument("--prefix-recompute", type=float, default=None,
+                        help="share of prefix layers Phase C recomputes (frees Phase-B memory for a larger --wave)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
 
-    model = hf_prefixflow.apply_prefixflow(build(args.model, compile=args.compile, lora=args.lora), offload=args.offload)
+    model = hf_prefixflow.apply_prefixflow(build(args.model, compile=args.compile, lora=args.lora), offload=args.offload,
+                                           prefix_recompute=args.prefix_recompute)
     shape = ModelShape.from_config(model.config)
     vocab = model.config.vocab_size
     model_name = args.model + ("+lora" if args.lora else "")
@@ -115,16 +123,17 @@ def main() -> None:
             gen = torch.Generator(device="cuda").manual_seed(0)
             prompt = torch.randint(0, vocab, (prefix,), device="cuda", generator=gen)
             suffixes = list(torch.randint(0, vocab, (n, suffix), device="cuda", generator=gen))
-            base_s, base_gib = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats)
-            pf_s, pf_gib = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
+            base_s, base_gib, base_retries = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats)
+            pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
             model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
             row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n,
-                   "wave": args.wave, "offload": args.offload,
+                   "wave": args.wave, "offload": args.offload, "prefix_recompute": args.prefix_recompute,
                    "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
                    "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
                    "share_of_bound": round(base_s / pf_s / bound, 3),
                    "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
+                   "baseline_alloc_retries": base_retries, "prefixflow_alloc_retries": pf_retries,
                    "repeats": args.repeats, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "transformers": transformers.__version__, "date": datetime.date.today().isoformat()}
             rows.append(row)

@@ -17,7 +17,8 @@ class CachedTensor:
     """One prefix tensor (a layer's K or V): live in the prefix graph, a leaf for the waves, and its gradient.
 
     Each wave's gradient is moved off the leaf into `grad` as soon as autograd accumulates it, summed in at least
-    fp32: N bf16 additions would round N times, while the baseline sums parameter gradients in fp32.
+    fp32: N bf16 additions would round N times, while the baseline sums parameter gradients in fp32. A single
+    wave's gradient stays as autograd made it (the same value, half the bytes in bf16) until a second one arrives.
     """
 
     def __init__(self, live: torch.Tensor):
@@ -45,7 +46,9 @@ class CachedTensor:
     def _accumulate(self, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         if self.grad is None:
-            self.grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+            self.grad = grad
+        elif self.grad.dtype in (torch.float16, torch.bfloat16):
+            self.grad = self.grad.float() + grad  # the sum rounds once in fp32, as if accumulated there all along
         else:
             self.grad += grad
 
@@ -139,6 +142,7 @@ def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.back
 
 def _handed_over(tensor: CachedTensor) -> torch.Tensor:
     """A tensor's gK/gV in its live dtype, its fp32 accumulator dropped as soon as it is cast: otherwise every
-    layer's accumulator and its cast copy would live together through the whole of Phase C."""
+    layer's accumulator and its cast copy would live together through the whole of Phase C. A gradient already in
+    that dtype (one wave) is handed over as it is."""
     grad, tensor.grad = tensor.grad, None
     return grad.to(tensor.live.dtype)

@@ -64,13 +64,14 @@ def check_checkpointing(model: torch.nn.Module) -> None:
 
 def apply_prefixflow(
     model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None,
-    offload_recompute: float | None = None,
+    prefix_recompute: float | None = None,
 ) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
 
     `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
-    (`hf_prefixflow.offload`); `offload_recompute` is the share of prefix layers that Phase C recomputes from their
-    offloaded inputs instead of copying their activations back (default `offload.RECOMPUTE_SHARE`).
+    (`hf_prefixflow.offload`). `prefix_recompute` is the share of prefix layers that Phase A checkpoints and Phase C
+    recomputes: with offload, from their offloaded inputs instead of copying their activations back (default
+    `offload.RECOMPUTE_SHARE`); without, it frees their activations on the device for larger waves (default 0).
     `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing them when the model uses
     activation checkpointing (the prefix stays checkpointed): the memory the shared prefix frees buys back the
     recompute. `None` keeps the current setting of each (off / on by default).
@@ -94,8 +95,8 @@ def apply_prefixflow(
         inner._prefixflow_offload = bool(offload)
     if suffix_checkpointing is not None:
         inner._prefixflow_suffix_checkpointing = bool(suffix_checkpointing)
-    if offload_recompute is not None:
-        inner._prefixflow_offload_recompute = check_recompute_share(offload_recompute)
+    if prefix_recompute is not None:
+        inner._prefixflow_prefix_recompute = check_recompute_share(prefix_recompute)
     return model
 
 

@@ -5,7 +5,7 @@ Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the pr
 (not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
 forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
 and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
-copying the next ones back, up to `PREFETCH_BYTES` ahead of need, and a tensor that is not back yet is loaded on
+copying the next ones back, up to `PREFETCH_LAYERS` layers' worth ahead of need, and a tensor that is not back yet is loaded on
 demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C
 holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that
 exercises the bookkeeping).
@@ -30,7 +30,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
-PREFETCH_BYTES = 2 << 30  # about two decoder layers of a long prefix: enough to hide a copy behind a layer's backward
+# Prefetch this many decoder layers' worth of bytes ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
+# layer's backward. A fixed byte window instead held the whole stack of a short prefix on the device at once.
+PREFETCH_LAYERS = 2
+PREFETCH_BYTES = 2 << 30
 # Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
 # benchmarks/results/memory*.md), offload cost 19.3% of step time copying every layer back, 6.6% recomputing half
 # and 5.7% recomputing all, at the same Phase-B peak for any share above zero: a layer recomputes faster than its
@@ -40,7 +43,7 @@ RECOMPUTE_SHARE = 1.0
 
 def check_recompute_share(share: float) -> float:
     if not 0.0 <= share <= 1.0:
-        raise PrefixFlowError(f"offload_recompute is the share of prefix layers that Phase C recomputes, a number in "
+        raise PrefixFlowError(f"prefix_recompute is the share of prefix layers that Phase C recomputes, a number in "
                               f"[0, 1]; got {share}.")
     return float(share)
 
@@ -52,11 +55,15 @@ def _spread(count: int, share: float) -> list[int]:
     return sorted({count - 1 - (i * count) // chosen for i in range(chosen)}) if chosen else []
 
 
+def decoder_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 @contextlib.contextmanager
 def recomputed_layers(decoder: torch.nn.Module, share: float):
     """Checkpoint `share` of `decoder`'s layers (non-reentrant) for the enclosed prefix forward; layers the user
     already checkpoints stay as they are."""
-    layers = [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(decoder)
     switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
     previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
@@ -133,8 +140,10 @@ def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 class PrefixOffload:
     """Saved-tensor hooks for one or more prefix forwards, released after their Phase C."""
 
-    def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None):
+    def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None,
+                 layers: int = 1):
         self.device = torch.device(device)
+        self.layers = max(layers, 1)  # decoder layers in the prefix forward: the prefetch window counts in them
         accelerator = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=accelerator)
         self.min_bytes = (MIN_BYTES_ON_ACCELERATOR if accelerator else 0) if min_bytes is None else min_bytes
@@ -201,9 +210,9 @@ class PrefixOffload:
         return restored
 
     def _prefetch_before(self, index: int) -> None:
-        ahead = 0
+        ahead, window = 0, min(PREFETCH_BYTES, PREFETCH_LAYERS * self.offloaded_bytes // self.layers)
         for i in range(index - 1, -1, -1):
-            if ahead >= PREFETCH_BYTES:
+            if ahead >= window:
                 break
             entry = self.entries[i]
             if not entry.consumed:

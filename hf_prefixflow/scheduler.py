@@ -27,7 +27,7 @@ from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, checkpointing_suspended, decoder_of, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
-from .offload import RECOMPUTE_SHARE, HostPool, PrefixOffload, recomputed_layers
+from .offload import RECOMPUTE_SHARE, HostPool, PrefixOffload, decoder_layers, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -151,14 +151,16 @@ class PrefixGroup:
         pool = getattr(self._inner, "_prefixflow_pool", None)
         if pool is None:
             pool = self._inner._prefixflow_pool = HostPool(pin=device.type == "cuda")
-        offload = PrefixOffload(device, pool)
+        offload = PrefixOffload(device, pool, layers=len(decoder_layers(decoder_of(self._inner))))
         offload.caches.append(self.cache)
         return offload
 
     def _recomputing(self) -> contextlib.AbstractContextManager:
-        if self.offload is None:
+        share = getattr(self._inner, "_prefixflow_prefix_recompute", None)
+        if share is None:
+            share = RECOMPUTE_SHARE if self.offload is not None else 0.0
+        if not (self.trains and share):
             return contextlib.nullcontext()
-        share = getattr(self._inner, "_prefixflow_offload_recompute", RECOMPUTE_SHARE)
         return recomputed_layers(decoder_of(self._inner), share)
 
     def _adopt(self, cache: TrainingKVCache) -> None:

@@ -6,7 +6,7 @@ bottom-right causal kernel over it, this runs
 - the prefix part non-causally with the cached K/V as they are: queries of all rows and of each GQA group fold
   into one long query sequence per KV head (the prefix is the same for everyone), so no K/V is expanded or
   repeated and the kernel sees batch 1 with the KV head count;
-- the suffix part as the ordinary square causal attention of the wave;
+- the suffix part as the ordinary square causal attention of the wave, GQA native too (K/V not repeated);
 and merges the two by their log-sum-exps. The backward runs each part's backward kernel with the *merged* output
 and log-sum-exp: those give every score its true softmax probability, so each part returns its exact share of
 dQ and its own dK/dV (flash-style backwards only ever use `out` and `lse`, never the part's own).
@@ -103,10 +103,6 @@ def _unfold(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.reshape(batch, heads, length, *x.shape[3:])
 
 
-def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 def _merge(out_p, lse_p, out_s, lse_s):
     lse = torch.logaddexp(lse_p, lse_s)
     dtype = _accumulation_dtype(out_p)
@@ -122,34 +118,30 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, scale, kernel: Kernel):
-        kv_heads, groups = key.shape[1], query.shape[1] // key.shape[1]
-        q_folded = _fold(query, kv_heads)
+        q_folded = _fold(query, key.shape[1])
         out_p, lse_p, state_p = kernel.forward(q_folded, prefix_key, prefix_value, False, scale)
-        key_r, value_r = _repeat(key, groups).contiguous(), _repeat(value, groups).contiguous()
-        out_s, lse_s, state_s = kernel.forward(query, key_r, value_r, True, scale)
+        out_s, lse_s, state_s = kernel.forward(query, key, value, True, scale)  # native GQA: K/V not repeated
         # lse layouts differ between kernels (e.g. a trailing 1): merge in `[B, Hq, L]`, hand each back its own.
         shape_p, shape_s = lse_p.shape, lse_s.shape
         out, lse = _merge(_unfold(out_p, query), _unfold(lse_p.reshape(lse_p.shape[:3]), query),
                           out_s, lse_s.reshape(lse_s.shape[:3]))
-        ctx.save_for_backward(query, prefix_key, prefix_value, key_r, value_r, out, lse)
-        ctx.meta = (scale, kernel, groups, shape_p, shape_s, state_p, state_s)
+        ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse)
+        ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        query, prefix_key, prefix_value, key_r, value_r, out, lse = ctx.saved_tensors
-        scale, kernel, groups, shape_p, shape_s, state_p, state_s = ctx.meta
+        query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
+        scale, kernel, shape_p, shape_s, state_p, state_s = ctx.meta
         kv_heads = prefix_key.shape[1]
         grad = grad.contiguous()
         dq_p, dk_p, dv_p = kernel.backward(
             _fold(grad, kv_heads), _fold(query, kv_heads), prefix_key, prefix_value, _fold(out, kv_heads),
             _fold(lse, kv_heads).reshape(shape_p), False, scale, state_p)
-        dq_s, dk_s, dv_s = kernel.backward(grad, query, key_r, value_r, out, lse.reshape(shape_s).contiguous(),
-                                           True, scale, state_s)
+        dq_s, dk, dv = kernel.backward(grad, query, key, value, out, lse.reshape(shape_s).contiguous(), True, scale,
+                                       state_s)
         dtype = _accumulation_dtype(query)
         dq = (_unfold(dq_p, query).to(dtype) + dq_s.to(dtype)).to(query.dtype)
-        dk, dv = (x.unflatten(1, (-1, groups)).sum(2, dtype=dtype).to(x.dtype) if groups > 1 else x
-                  for x in (dk_s, dv_s))
         return dq, dk_p, dv_p, dk, dv, None, None
 
 

@@ -27,3 +27,26 @@ def test_phase_c_drops_each_accumulator_as_it_casts_it():
     assert delayed_backward([cache], backward) == 2
     assert alive_during_backward == [False, False]
     assert torch.equal(x.grad, torch.full((3, 4), 2.0 * 2 + 2.0 * 3, dtype=torch.float64))
+
+
+def test_one_wave_keeps_its_gradient_as_autograd_made_it_and_a_second_sums_in_fp32():
+    """A single bf16 contribution needs no fp32 copy (the same value in half the bytes, which is what lets a long
+    prefix in one wave fit); the second one promotes the sum to fp32 exactly as an fp32 accumulator would."""
+    gen = torch.Generator().manual_seed(5)
+    live = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True).bfloat16()
+    waves = [torch.randn(4, 8, generator=gen).bfloat16() for _ in range(3)]
+    cache = TrainingKVCache(4)
+    cache.capture(0, live, live * 2)
+    key = cache.layers[0].key
+    key.leaf.backward(waves[0])
+    assert key.grad.dtype == torch.bfloat16 and torch.equal(key.grad, waves[0])
+    handed = []
+    delayed_backward([cache], lambda outputs, grads: handed.extend(grads))
+    assert handed[0] is not None and torch.equal(handed[0], waves[0]) and handed[0].dtype == torch.bfloat16
+
+    cache.capture(1, live, live * 2)
+    key = cache.layers[1].key
+    for grad in waves:
+        key.leaf.backward(grad)
+    expected = waves[0].float() + waves[1].float() + waves[2].float()
+    assert key.grad.dtype == torch.float32 and torch.equal(key.grad, expected)

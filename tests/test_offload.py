@@ -35,7 +35,7 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
     original = hf_prefixflow.scheduler.PrefixGroup._offloader
     monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
                         lambda self: offloads.append(original(self)) or offloads[-1])
-    hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=0.5)  # one path per layer: copied, recomputed
+    hf_prefixflow.apply_prefixflow(model, offload=True, prefix_recompute=0.5)  # one path per layer: copied, recomputed
     prefixflow_backward(model, group, plan)
     for name, grad in gradients(model).items():
         # exact values; a restored tensor is contiguous, so a backward matmul may take another BLAS path (1 ulp)
@@ -57,7 +57,7 @@ def _recorded_packs(monkeypatch) -> list:
 
 def test_offload_skips_parameters_and_the_cached_kv_and_copies_shared_saves_once(monkeypatch):
     gen = torch.Generator().manual_seed(1)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=0)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, prefix_recompute=0)
     group = random_group(gen, prefix=(10, 16), n=(2, 3))
     packs = _recorded_packs(monkeypatch)
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
@@ -128,7 +128,7 @@ def test_restored_tensors_die_after_use(monkeypatch):
     """Restored tensors must not outlive their last use: held until the end of Phase C, they would put the whole
     prefix activation stack back on the device at once."""
     gen = torch.Generator().manual_seed(2)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=0)
+    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, prefix_recompute=0)
     group = random_group(gen, prefix=(12, 16), n=(2, 3))
     restored, alive_at_release, offloads = [], [], []
     offload_cls = hf_prefixflow.offload.PrefixOffload
@@ -155,10 +155,12 @@ def test_restored_tensors_die_after_use(monkeypatch):
 
 
 
+@pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("share,recomputed", [(0.0, []), (0.25, [3]), (0.5, [1, 3]), (1.0, [0, 1, 2, 3])])
-def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recomputed):
-    """Phase C recomputes the chosen layers (the last one first) from their offloaded inputs, with the same
-    gradients; the other layers' activations come back from the host, and the layers are restored after Phase A."""
+def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recomputed, offload):
+    """Phase C recomputes the chosen layers (the last one first), from their offloaded inputs or, without offload,
+    from their inputs on the device, with the same gradients; the other layers' activations come back from the host
+    (or stay), and the layers are restored after Phase A."""
     gen = torch.Generator().manual_seed(int(share * 8))
     model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=4).train())
     group = random_group(gen, prefix=(12, 20), n=(2, 4))
@@ -167,7 +169,7 @@ def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recompute
     expected = gradients(model)
     model.zero_grad(set_to_none=True)
 
-    hf_prefixflow.apply_prefixflow(model, offload=True, offload_recompute=share)
+    hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=share)
     calls = []
     for index, layer in enumerate(model.model.layers):  # a recompute reruns the layer's forward, not its hooks
         layer.self_attn.k_proj.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
@@ -188,7 +190,7 @@ def test_recomputed_layers_leave_fewer_bytes_to_copy():
     for share in (0.0, 0.5, 1.0):
         gen = torch.Generator().manual_seed(5)
         model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=4).train(), offload=True,
-                                               offload_recompute=share)
+                                               prefix_recompute=share)
         group = random_group(gen, prefix=(16, 17), n=(2, 3))
         offloads = []
         original = hf_prefixflow.scheduler.PrefixGroup._offloader
@@ -201,5 +203,32 @@ def test_recomputed_layers_leave_fewer_bytes_to_copy():
 
 
 def test_recompute_share_out_of_range_is_refused():
-    with pytest.raises(hf_prefixflow.PrefixFlowError, match=r"offload_recompute.*\[0, 1\]"):
-        hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, offload_recompute=1.5)
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match=r"prefix_recompute.*\[0, 1\]"):
+        hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, prefix_recompute=1.5)
+
+
+def test_prefetch_runs_about_two_layers_ahead():
+    """Phase C brings back about `PREFETCH_LAYERS` layers' worth ahead of need, not the whole stack: a fixed byte
+    window held every layer input of a short prefix on the device at once (the SP=2 memory trace)."""
+    gen = torch.Generator().manual_seed(6)
+    model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=6).train(), offload=True,
+                                           prefix_recompute=0)
+    group = random_group(gen, prefix=(20, 24), n=(2, 3))
+    ahead, offloads = [], []
+    offload_cls = hf_prefixflow.offload.PrefixOffload
+    unpack = offload_cls._unpack
+
+    def measuring_unpack(self, packed):
+        out = unpack(self, packed)
+        offloads.append(self)
+        ahead.append(sum(e.host.numel() for e in self.entries if e.device_copy is not None and not e.unpacked))
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload_cls, "_unpack", measuring_unpack)
+        prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    offload = offloads[0]
+    layer_bytes = offload.offloaded_bytes / 6
+    assert offload.layers == 6 and ahead and max(ahead) > 0
+    # the window, plus saves that autograd unpacks a little out of reverse order
+    assert max(ahead) <= (hf_prefixflow.offload.PREFETCH_LAYERS + 1) * layer_bytes < offload.offloaded_bytes

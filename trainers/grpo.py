@@ -54,9 +54,10 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
     prefixflow_offload: bool = field(
         default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
-    prefixflow_offload_recompute: float = field(
-        default=RECOMPUTE_SHARE, metadata={"help": "with offload: the share of prefix layers Phase C recomputes from "
-                                                   "their offloaded inputs instead of copying them back"})
+    prefixflow_prefix_recompute: float | None = field(
+        default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
+                                        f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
+                                        "back, else 0)"})
     prefixflow_suffix_checkpointing: bool = field(
         default=True, metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
                                         "of recomputing them (the prefix stays checkpointed)"})
@@ -79,7 +80,7 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_recompute",
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_prefix_recompute",
                          "prefixflow_suffix_checkpointing", "prefixflow_wave_size")}
 
 
@@ -97,7 +98,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
         apply_prefixflow(self.model, offload=self.prefixflow_offload,
-                         offload_recompute=self.prefixflow_offload_recompute,
+                         prefix_recompute=self.prefixflow_prefix_recompute,
                          suffix_checkpointing=self.prefixflow_suffix_checkpointing)
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)

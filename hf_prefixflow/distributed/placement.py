@@ -49,7 +49,7 @@ class Entry:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """gK/gV accumulate in at least fp32 (`kv_cache.CachedTensor`), and are reduced in that precision."""
+        """gK/gV are summed in at least fp32 (`kv_cache.CachedTensor`), across ranks too."""
         return torch.promote_types(self.dtype, torch.float32)
 
 
