@@ -169,7 +169,10 @@ class PrefixOffload:
 
     def _pack(self, tensor: torch.Tensor):
         if not self._eligible(tensor):
-            return tensor
+            # Detached: a node that saves its own output (rsqrt, softmax) would otherwise hold that output, whose
+            # grad_fn is the node itself, a cycle through C++ that Python's collector never frees. Each group would
+            # leak the prefix graph's unexecuted tail (the last layer's query path and MLP, recomputed in Phase C).
+            return tensor.detach()
         base, key = _identity(tensor)
         seen = self._saved.get(key)
         if seen is not None and seen[0]() is base:  # the same values saved again: share their copy

@@ -1,5 +1,6 @@
 """Prefix activation offload: gradients with it on equal those with it off; buffers return to the pool."""
 
+import gc
 import weakref
 
 import pytest
@@ -232,3 +233,29 @@ def test_prefetch_runs_about_two_layers_ahead():
     assert offload.layers == 6 and ahead and max(ahead) > 0
     # the window, plus saves that autograd unpacks a little out of reverse order
     assert max(ahead) <= (hf_prefixflow.offload.PREFETCH_LAYERS + 1) * layer_bytes < offload.offloaded_bytes
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_a_group_leaves_no_prefix_graph_behind(share, monkeypatch):
+    """Saves the offloader passes through (small ones, on a GPU below 1 MiB) must not pin the prefix graph: a node
+    that saves its own output (rsqrt) and got that output back from the pack hook formed a cycle through C++, so
+    every group leaked the graph's unexecuted tail, with Phase C's recomputed tensors (0.86 GiB a group measured at
+    10k tokens on an H200)."""
+    eligible = hf_prefixflow.offload.PrefixOffload._eligible
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_eligible",
+                        lambda self, t: eligible(self, t) and t.numel() >= 64)  # as a GPU's size threshold
+    packed = []
+    pack = hf_prefixflow.offload.PrefixOffload._pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+                        lambda self, t: packed.append(pack(self, t)) or packed[-1])
+    gen = torch.Generator().manual_seed(7)
+    model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=3).train(), offload=True,
+                                           prefix_recompute=share)
+    group = random_group(gen, prefix=(16, 24), n=(2, 3))
+    prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    entries = [weakref.ref(p) for p in packed if isinstance(p, hf_prefixflow.offload.Offloaded)]
+    passed = [p for p in packed if isinstance(p, torch.Tensor)]
+    assert entries and passed  # both paths ran
+    del packed[:], passed
+    gc.collect()
+    assert not [r for r in entries if r() is not None], "offloaded saves outlived their group"
