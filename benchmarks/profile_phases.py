@@ -3,7 +3,9 @@
     python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4 --out benchmarks/results
 
 Prints (and writes to `profile_<model>.txt`): baseline time per sequence; Phase A, per-wave B and Phase C times
-(CUDA events, after a warm-up); then torch.profiler's top CUDA kernels for one baseline sequence and for one group.
+(CUDA events, after a warm-up) with the TFLOP/s each reaches by `hf_prefixflow.flops` (Phase A is a third of the
+prefix's training FLOPs, C the rest): a phase well below the baseline's rate is where the FLOP bound is lost; then
+torch.profiler's top CUDA kernels for one baseline sequence and for one group.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
+from hf_prefixflow.flops import ModelShape
 from speed import SHAPES, baseline_group, build, suffix_loss
 
 
@@ -27,7 +30,7 @@ def events_time(fn) -> float:
     return start.elapsed_time(end) / 1000
 
 
-def phases(model, prompt, suffixes) -> dict[str, float]:
+def phases(model, prompt, suffixes, wave: int = 1) -> dict[str, float]:
     times = {"A": 0.0, "B": 0.0, "C": 0.0}
     scope = hf_prefixflow.prefix_group(model, prompt)
     group = None
@@ -37,8 +40,9 @@ def phases(model, prompt, suffixes) -> dict[str, float]:
         group = scope.__enter__()
 
     times["A"] = events_time(enter)
-    for suffix in suffixes:
-        times["B"] += events_time(lambda: suffix_loss(group(suffix[None]).logits, suffix[None]).backward())
+    for start in range(0, len(suffixes), wave):
+        batch = torch.stack(suffixes[start : start + wave])
+        times["B"] += events_time(lambda: suffix_loss(group(batch).logits, batch).backward())
     times["C"] = events_time(lambda: scope.__exit__(None, None, None))
     return times
 
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=10240)
     parser.add_argument("--suffix", type=int, default=2048)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--wave", type=int, default=1, help="suffixes per wave")
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -66,15 +71,21 @@ def main() -> None:
     suffixes = list(torch.randint(0, vocab, (args.n, args.suffix), device="cuda"))
     for _ in range(2):  # warm-up: allocator, cuBLAS handles, kernel selection
         baseline_group(model, prompt, suffixes[:1])
-        phases(model, prompt, suffixes)
+        phases(model, prompt, suffixes, args.wave)
     per_sequence = events_time(lambda: baseline_group(model, prompt, suffixes[:1]))
-    split = phases(model, prompt, suffixes)
-    lines = [f"{args.model} P={args.prefix} S={args.suffix} N={args.n}",
+    split = phases(model, prompt, suffixes, args.wave)
+    shape, p, s = ModelShape.from_config(model.config), args.prefix, args.suffix
+    prefix_flops = shape.prefixflow(p, [])
+    rate = {"baseline": shape.full_sequence(p, [s]) / per_sequence, "A": prefix_flops / 3 / split["A"],
+            "B": (shape.prefixflow(p, [s] * args.n) - prefix_flops) / split["B"], "C": prefix_flops * 2 / 3 / split["C"]}
+    waves = -(-args.n // args.wave)
+    lines = [f"{args.model} P={args.prefix} S={args.suffix} N={args.n} wave={args.wave}",
              f"baseline per sequence: {per_sequence:.3f} s  (group of N: {per_sequence * args.n:.3f} s)",
-             f"PrefixFlow: A {split['A']:.3f} s, B {split['B']:.3f} s ({split['B'] / args.n:.3f} s per wave), "
-             f"C {split['C']:.3f} s, total {sum(split.values()):.3f} s", "",
+             f"PrefixFlow: A {split['A']:.3f} s, B {split['B']:.3f} s ({split['B'] / waves:.3f} s per wave), "
+             f"C {split['C']:.3f} s, total {sum(split.values()):.3f} s",
+             "TFLOP/s: " + ", ".join(f"{k} {v / 1e12:.0f}" for k, v in rate.items()), "",
              "== baseline, one sequence ==", top_kernels(lambda: baseline_group(model, prompt, suffixes[:1]), args.rows),
-             "== PrefixFlow, one group ==", top_kernels(lambda: phases(model, prompt, suffixes), args.rows)]
+             "== PrefixFlow, one group ==", top_kernels(lambda: phases(model, prompt, suffixes, args.wave), args.rows)]
     text = "\n".join(lines)
     print(text)
     out = pathlib.Path(args.out)
