@@ -5,10 +5,10 @@ Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the pr
 (not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
 forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
 and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
-copying the next ones back, up to `PREFETCH_LAYERS` layers' worth ahead of need, and a tensor that is not back yet is loaded on
-demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C
-holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that
-exercises the bookkeeping).
+copying the next ones back, `PREFETCH_LAYERS` layers' worth ahead of need, and a tensor that is not back yet is
+loaded on demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so
+Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in
+that exercises the bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
 than its backward takes to run. `recomputed_layers` therefore checkpoints a share of the prefix layers during
@@ -35,9 +35,9 @@ MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the mem
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
 # Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
-# benchmarks/results/memory*.md), offload cost 19.3% of step time copying every layer back, 6.6% recomputing half
-# and 5.7% recomputing all, at the same Phase-B peak for any share above zero: a layer recomputes faster than its
-# activations cross PCIe. Models with more compute per activation byte may prefer a share below 1.
+# benchmarks/results/memory*.md): copying every layer back cost 13-19% of step time, recomputing all 0.5-9%,
+# at the same Phase-B peak (19.5-19.7 GiB): a layer recomputes faster than its activations cross PCIe. Models with
+# more compute per activation byte may prefer a share below 1.
 RECOMPUTE_SHARE = 1.0
 
 
