@@ -31,11 +31,11 @@ GIB = 2**30
 
 
 def frames(event: dict) -> str:
-    ours = [f for f in event.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
+    ours = [f for f in event.get("frames", []) if f["filename"].endswith(".py") and "site-packages/torch/" not in f["filename"]]
     where = " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours[:3]) or "(torch)"
     if "earlier" not in event:
         return where
-    if not ours:  # made by torch itself (e.g. in the autograd engine's thread): its own frames say more
+    if not ours:  # made by torch itself (e.g. an autograd kernel): its own frames say more
         where = " <- ".join(f"{f['name']}" for f in event.get("frames", [])[:4]) or "(no frames)"
     return f"[earlier run, at {event['earlier']}% of it, stream {event.get('stream', '?')}] {where}"
 
