@@ -112,8 +112,9 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _fused(fn: Callable) -> Callable:
     """`fn` compiled into one kernel for CUDA tensors, eager elsewhere. Op by op, the merge and the dq sum make a
-    pass over memory per op in fp32 (with the folds around the kernels, 83 ms of a 2.16 s Llama3-8B group:
-    benchmarks/results/profile_llama3-8b_wave2.txt); fused, that shape went from 93% to 94% of the FLOP bound."""
+    pass over memory per op in fp32 (with the folds around the kernels, about 80 ms of a 2.16 s Llama3-8B group,
+    estimated from the kernel times in benchmarks/results/profile_llama3-8b_wave2.txt); fused, that shape went from
+    93% to 94% of the FLOP bound."""
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))  # on first use: dynamo is slow to import
 
     @functools.wraps(fn)
