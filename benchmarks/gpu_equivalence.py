@@ -8,6 +8,8 @@ rollout groups: the baseline runs every `[P || S_i]` as a full sequence, PrefixF
 Checked at every step, element-wise, with the paper's criterion |x - y| <= 1e-3 + 1e-2 * max(|x|, |y|): the loss,
 every parameter's gradient and the weights after the AdamW step. Also reported: how far each side's step-1
 gradients are from the fp32 full-sequence gradients (both must be equally close).
+`--bf16-weights` trains bf16 weights without autocast instead (gK/gV then sum in bf16, as `param.grad` does);
+`--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention).
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ PATHS = {
 }
 
 
-def build_model(attn: str) -> torch.nn.Module:
+def build_model(attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
                          attn_implementation=attn)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(DEVICE).train()
+    return LlamaForCausalLM(config).to(DEVICE, dtype).train()
 
 
 def random_groups(steps: int, prefix: int, suffix: int, n: int, vocab: int):
@@ -95,9 +97,9 @@ def batched_full_sequence_step(model, group):
 
 def control_row(args) -> dict:
     """How far two valid baselines (per sequence vs one padded batch) are apart under the same criterion."""
-    model = build_model("sdpa")
+    model = build_model("sdpa", torch.bfloat16 if args.bf16_weights else torch.float32)
     group = random_groups(1, args.prefix, args.suffix, args.n, model.config.vocab_size)[0]
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not args.bf16_weights):
         losses = [full_sequence_step(model, group)]
         per_sequence = grads(model)
         model.zero_grad(set_to_none=True)
@@ -152,18 +154,20 @@ def grads(model):
 def run_case(name: str, layout: str, args) -> dict:
     attn, backends, _ = PATHS[name]
     kernels = sdpa_kernel(backends) if backends else contextlib.nullcontext()
-    reference = build_model(attn)
-    candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(reference))
+    dtype = torch.bfloat16 if args.bf16_weights else torch.float32
+    reference = build_model(attn, dtype)
+    candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(reference), offload=args.offload)
     groups = random_groups(args.steps, args.prefix, args.suffix, args.n, reference.config.vocab_size)
 
-    full_sequence_step(reference, groups[0])  # fp32 truth for step 1
-    truth = grads(reference)
-    reference.zero_grad(set_to_none=True)
+    fp32 = build_model(attn)
+    full_sequence_step(fp32, groups[0])  # fp32 truth for step 1
+    truth = grads(fp32)
+    del fp32
 
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in (reference, candidate)]
     row = {"path": name, "layout": layout, "P": args.prefix, "S_max": args.suffix, "N": args.n, "wave": args.wave}
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
-    with kernels, torch.autocast(DEVICE, dtype=torch.bfloat16):
+    with kernels, torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not args.bf16_weights):
         for step, group in enumerate(groups, 1):
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -194,6 +198,10 @@ def main() -> None:
     parser.add_argument("--wave", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="'cpu' only smoke-tests the script")
+    parser.add_argument("--bf16-weights", action="store_true", help="bf16 weights, no autocast")
+    parser.add_argument("--offload", action="store_true", help="PrefixFlow with prefix activation offload")
+    parser.add_argument("--tag", default="gpu_equivalence", help="output file name")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -202,8 +210,8 @@ def main() -> None:
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     rows = [{**control_row(args), **env}]
     print(json.dumps(rows[-1]), flush=True)
-    for name, (_, _, layouts) in PATHS.items():
-        for layout in layouts:
+    for name in args.paths.split(","):
+        for layout in PATHS[name][2]:
             try:
                 row = run_case(name, layout, args)
             except Exception as exc:  # a kernel a backend cannot run is reported, not hidden
@@ -213,9 +221,10 @@ def main() -> None:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_equivalence.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
     lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, {env['date']})",
-             "", f"`python benchmarks/gpu_equivalence.py` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
+             "", f"`python benchmarks/gpu_equivalence.py{' --bf16-weights' * args.bf16_weights}"
+             f"{' --offload' * args.offload}` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
              "<= 1 passes.", "",
              "| path | layout | loss | grads | weights | step-1 grad err vs fp32: baseline / PrefixFlow | pass |",
@@ -229,7 +238,7 @@ def main() -> None:
             f"{r['worst_grad_ratio_to_tolerance']:.3f} | {r['worst_weight_ratio_to_tolerance']:.3f} | "
             f"{r['grad_rel_err_vs_fp32_baseline']:.2e} / {r['grad_rel_err_vs_fp32_prefixflow']:.2e} | "
             f"{ {True: 'yes', False: 'NO', None: '-'}[r['passed']] } |")
-    (out / "gpu_equivalence.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow.model import unwrap
-from hf_prefixflow.offload import RECOMPUTE_SHARE
+from hf_prefixflow.recompute import RECOMPUTE_SHARE
 from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30

@@ -61,11 +61,14 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=2048)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--wave", type=int, default=1, help="suffixes per wave")
+    parser.add_argument("--offload", action="store_true", help="prefix activation offload (hf_prefixflow.offload)")
+    parser.add_argument("--prefix-recompute", type=float, default=None, help="share of prefix layers recomputed")
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
-    model = build(args.model)
+    model = hf_prefixflow.apply_prefixflow(build(args.model), offload=args.offload,
+                                           prefix_recompute=args.prefix_recompute)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prefix,), device="cuda")
     suffixes = list(torch.randint(0, vocab, (args.n, args.suffix), device="cuda"))
@@ -79,7 +82,8 @@ def main() -> None:
     rate = {"baseline": shape.full_sequence(p, [s]) / per_sequence, "A": prefix_flops / 3 / split["A"],
             "B": (shape.prefixflow(p, [s] * args.n) - prefix_flops) / split["B"], "C": prefix_flops * 2 / 3 / split["C"]}
     waves = -(-args.n // args.wave)
-    lines = [f"{args.model} P={args.prefix} S={args.suffix} N={args.n} wave={args.wave}",
+    lines = [f"{args.model} P={args.prefix} S={args.suffix} N={args.n} wave={args.wave} offload={args.offload} "
+             f"prefix_recompute={args.prefix_recompute}",
              f"baseline per sequence: {per_sequence:.3f} s  (group of N: {per_sequence * args.n:.3f} s)",
              f"PrefixFlow: A {split['A']:.3f} s, B {split['B']:.3f} s ({split['B'] / waves:.3f} s per wave), "
              f"C {split['C']:.3f} s, total {sum(split.values()):.3f} s",
@@ -90,7 +94,8 @@ def main() -> None:
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{args.model}.txt").write_text(text + "\n")
+    suffix = "_offload" if args.offload else ""
+    (out / f"profile_{args.model}{suffix}.txt").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
 from .moe import ROUTES_KWARG, publish
+from .recompute import AttentionReplay
 
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
@@ -41,6 +42,7 @@ class PrefixPass:
 
     cache: TrainingKVCache
     collect_router_logits: bool = False
+    replay: AttentionReplay | None = None  # recomputed layers' attention, replayed in Phase C
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,6 +151,16 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
     return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _replayed_prefix_attention(module, query, key, value, attention_mask, marker: PrefixPass, base: str, scaling,
+                               kwargs) -> torch.Tensor | None:
+    """Phase A's plain causal `sdpa` attention of a recomputed layer through `marker.replay`, else None."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None and attention_mask is None
+    if marker.replay is None or base != "sdpa" or not plain or (window is not None and window < key.shape[2]):
+        return None
+    return marker.replay.attend(module, *_autocast_inputs(query, key, value), scaling)
+
+
 def _bottom_right_sdpa(query, key, value, mask: CausalBias, scaling: float | None) -> torch.Tensor:
     """SDPA with a bottom-right causal bias and native GQA: the flash kernel, no mask and no repeated K/V.
 
@@ -193,6 +205,9 @@ def prefixflow_attention(
     _check_call(module, dropout, kwargs)
     if isinstance(marker, PrefixPass):
         marker.cache.capture(module.layer_idx, key, value)
+        replayed = _replayed_prefix_attention(module, query, key, value, attention_mask, marker, base, scaling, kwargs)
+        if replayed is not None:
+            return replayed, None
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _suffix_attention(module, query, key, value, marker, base, base_fn, dropout, scaling, kwargs)
 

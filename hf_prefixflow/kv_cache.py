@@ -16,13 +16,14 @@ import torch
 class CachedTensor:
     """One prefix tensor (a layer's K or V): live in the prefix graph, a leaf for the waves, and its gradient.
 
-    Each wave's gradient is moved off the leaf into `grad` as soon as autograd accumulates it, summed in at least
-    fp32: N bf16 additions would round N times, while the baseline sums parameter gradients in fp32. A single
-    wave's gradient stays as autograd made it (the same value, half the bytes in bf16) until a second one arrives.
+    Each wave's gradient is moved off the leaf into `grad` as soon as autograd accumulates it and summed in
+    `sum_dtype` (promoted with the gradient's own): the precision in which the model's own gradients accumulate
+    (see `model.kv_grad_dtype`). A single wave's gradient stays as autograd made it until a second one arrives.
     """
 
-    def __init__(self, live: torch.Tensor):
+    def __init__(self, live: torch.Tensor, sum_dtype: torch.dtype = torch.float32):
         self.live = live
+        self.sum_dtype = sum_dtype
         # Only tensors that reach trainable parameters need a gradient; the others stay plain constants.
         self.leaf = live.detach().requires_grad_(live.requires_grad)
         self.grad: torch.Tensor | None = None
@@ -47,8 +48,8 @@ class CachedTensor:
         grad, leaf.grad = leaf.grad, None
         if self.grad is None:
             self.grad = grad
-        elif self.grad.dtype in (torch.float16, torch.bfloat16):
-            self.grad = self.grad.float() + grad  # the sum rounds once in fp32, as if accumulated there all along
+        elif self.grad.dtype != (dtype := torch.promote_types(grad.dtype, self.sum_dtype)):
+            self.grad = self.grad.to(dtype) + grad  # exact: as if accumulated in `dtype` all along
         else:
             self.grad += grad
 
@@ -70,8 +71,9 @@ class LayerKV:
 class TrainingKVCache:
     """Per-layer prefix K/V for one group, with gK/gV accumulated across suffix waves."""
 
-    def __init__(self, prefix_length: int):
+    def __init__(self, prefix_length: int, grad_dtype: torch.dtype = torch.float32):
         self.prefix_length = prefix_length
+        self.grad_dtype = grad_dtype  # gK/gV sum in this dtype (promoted with theirs) across waves
         self.layers: dict[int, LayerKV] = {}
         self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
         # The prefix forward's output, set under engines that gather weights in hooks on module outputs (ZeRO-3,
@@ -83,13 +85,13 @@ class TrainingKVCache:
     def capture(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Record a layer's live prefix K/V. Idempotent: a checkpoint recompute in Phase C must not replace them."""
         if layer_idx not in self.layers:
-            self.layers[layer_idx] = LayerKV(CachedTensor(key), CachedTensor(value))
+            self.layers[layer_idx] = LayerKV(CachedTensor(key, self.grad_dtype), CachedTensor(value, self.grad_dtype))
 
     def capture_router(self, layer_idx: int, logits: torch.Tensor) -> None:
         """Record a layer's live prefix router logits (idempotent, like `capture`): the load-balancing loss reads
         their leaf in each microbatch and Phase C carries its gradient into the prefix graph."""
         if layer_idx not in self.router_logits:
-            self.router_logits[layer_idx] = CachedTensor(logits)
+            self.router_logits[layer_idx] = CachedTensor(logits, self.grad_dtype)
 
     def leaves(self, layer_idx: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's K/V leaves (in `dtype`, if given: see `CachedTensor.leaf_as`), or None if it has none."""

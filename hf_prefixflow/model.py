@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from . import attention, moe
 from .errors import PrefixFlowError
-from .offload import check_recompute_share
+from .recompute import check_recompute_share
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -62,19 +62,32 @@ def check_checkpointing(model: torch.nn.Module) -> None:
             )
 
 
+def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype gK/gV sum in across waves: `apply_prefixflow(kv_grad_dtype=...)` if set, else the widest dtype of
+    the trainable parameters, the precision in which their own gradients accumulate across microbatches: bf16 for
+    bf16 weights (the full-sequence baseline sums `param.grad` in bf16 too, and gK/gV take half the memory), fp32
+    under autocast with fp32 weights or with PEFT's fp32 adapters."""
+    setting = getattr(unwrap(model), "_prefixflow_kv_grad_dtype", None)
+    if setting is not None:
+        return setting
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+
+
 def apply_prefixflow(
     model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None,
-    prefix_recompute: float | None = None,
+    prefix_recompute: float | None = None, kv_grad_dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
     """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
 
     `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
     (`hf_prefixflow.offload`). `prefix_recompute` is the share of prefix layers that Phase A checkpoints and Phase C
     recomputes: with offload, from their offloaded inputs instead of copying their activations back (default
-    `offload.RECOMPUTE_SHARE`); without, it frees their activations on the device for larger waves (default 0).
+    `recompute.RECOMPUTE_SHARE`); without, it frees their activations on the device for larger waves (default 0).
     `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing them when the model uses
     activation checkpointing (the prefix stays checkpointed): the memory the shared prefix frees buys back the
-    recompute. `None` keeps the current setting of each (off / on by default).
+    recompute. `kv_grad_dtype` fixes the dtype gK/gV sum in across waves (default: see `kv_grad_dtype`;
+    `torch.float32` keeps bf16 models' sums in fp32 at twice the memory). `None` keeps the current setting of each.
 
     Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
     the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
@@ -97,6 +110,10 @@ def apply_prefixflow(
         inner._prefixflow_suffix_checkpointing = bool(suffix_checkpointing)
     if prefix_recompute is not None:
         inner._prefixflow_prefix_recompute = check_recompute_share(prefix_recompute)
+    if kv_grad_dtype is not None:
+        if not kv_grad_dtype.is_floating_point:
+            raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype, got {kv_grad_dtype}.")
+        inner._prefixflow_kv_grad_dtype = kv_grad_dtype
     return model
 
 

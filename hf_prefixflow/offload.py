@@ -11,75 +11,22 @@ Phase C holds only what autograd still needs. On a CPU device the same hooks cop
 that exercises the bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
-than its backward takes to run. `recomputed_layers` therefore checkpoints a share of the prefix layers during
-Phase A: only their inputs leave the device, and Phase C recomputes their activations (exactly: the same kernels
-on the same inputs) while the copies of the other layers stream in behind that compute.
+than its backward takes to run. By default Phase A therefore checkpoints the prefix layers (`hf_prefixflow.recompute`):
+only their inputs (and attention outputs) leave the device, and Phase C recomputes the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils.checkpoint
-from transformers.modeling_layers import GradientCheckpointingLayer
-
-from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 # Prefetch this many decoder layers' worth of bytes ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
 # layer's backward. A fixed byte window instead held the whole stack of a short prefix on the device at once.
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
-# Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
-# benchmarks/results/memory*.md): copying every layer back cost 13-19% of step time, recomputing all 0.5-9%,
-# at the same Phase-B peak (19.5-19.7 GiB): a layer recomputes faster than its activations cross PCIe. Models with
-# more compute per activation byte may prefer a share below 1.
-RECOMPUTE_SHARE = 1.0
-
-
-def check_recompute_share(share: float) -> float:
-    if not 0.0 <= share <= 1.0:
-        raise PrefixFlowError(f"prefix_recompute is the share of prefix layers that Phase C recomputes, a number in "
-                              f"[0, 1]; got {share}.")
-    return float(share)
-
-
-def _spread(count: int, share: float) -> list[int]:
-    """Indices of round(share * count) of `count` layers, evenly spaced and ending at the last one (Phase C starts
-    there, with nothing prefetched yet, so it should need only a layer input)."""
-    chosen = round(share * count)
-    return sorted({count - 1 - (i * count) // chosen for i in range(chosen)}) if chosen else []
-
-
-def decoder_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-@contextlib.contextmanager
-def recomputed_layers(decoder: torch.nn.Module, share: float):
-    """Checkpoint `share` of `decoder`'s layers (non-reentrant) for the enclosed prefix forward; layers the user
-    already checkpoints stay as they are."""
-    layers = decoder_layers(decoder)
-    switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
-    previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
-    recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    for layer in switched:
-        layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, recompute
-    try:
-        yield
-    finally:
-        for layer, func in zip(switched, previous):
-            layer.gradient_checkpointing = False
-            if func is None:
-                del layer._gradient_checkpointing_func
-            else:
-                layer._gradient_checkpointing_func = func
-
-
 class HostPool:
     """Host buffers reused across groups (pinned when the device is an accelerator), keyed by byte size."""
 
@@ -154,7 +101,7 @@ class PrefixOffload:
         self._saved: dict[tuple, tuple[weakref.ref, Offloaded]] = {}  # see `_identity`
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
         base = tensor._base if tensor._base is not None else tensor
@@ -167,7 +114,9 @@ class PrefixOffload:
             or tensor.numel() * tensor.element_size() < self.min_bytes
         )
 
-    def _pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor):
+        """Start moving `tensor` to the host; returns what `unpack` takes back (the tensor itself, detached, when it
+        stays: parameters, the cached K/V, small tensors)."""
         if not self._eligible(tensor):
             # Detached: a node that saves its own output (rsqrt, softmax) would otherwise hold that output, whose
             # grad_fn is the node itself, a cycle through C++ that Python's collector never frees. Each group would
@@ -196,7 +145,7 @@ class PrefixOffload:
         self.offloaded_bytes += nbytes
         return entry
 
-    def _unpack(self, packed):
+    def unpack(self, packed):
         if not isinstance(packed, Offloaded):
             return packed
         self._prefetch_before(packed.index)  # autograd walks the prefix graph backwards

@@ -25,9 +25,10 @@ from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, checkpointing_suspended, decoder_of, unwrap
+from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
-from .offload import RECOMPUTE_SHARE, HostPool, PrefixOffload, decoder_layers, recomputed_layers
+from .offload import HostPool, PrefixOffload
+from .recompute import RECOMPUTE_SHARE, AttentionReplay, decoder_layers, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -59,10 +60,11 @@ class PrefixGroup:
         self.prefix_ids = self._check_prefix(prefix_ids)
         self.position_offset = int(position_offset)
         self.routes = self._check_routes(routes)
-        self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1)
+        self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1, kv_grad_dtype(model))
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
         self.offload: PrefixOffload | None = None
+        self.attention_replay: AttentionReplay | None = None
 
     def _check_prefix(self, prefix_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.dtype not in (torch.int64, torch.int32):
@@ -127,12 +129,12 @@ class PrefixGroup:
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         self.offload = self._offloader()
-        with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing():
+        with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing() as recomputed:
+            # With offload, recomputed layers keep their attention results on the host too (`recompute`).
+            self.attention_replay = AttentionReplay(recomputed, self.offload) if self.offload and recomputed else None
             module, extra = fsdp.prefix_forward(self.model)
-            out = self._forward(
-                module, self.prefix_ids[:, :-1], positions,
-                **{PASS_KWARG: PrefixPass(self.cache, self.collect_router_logits)}, **replay, **extra,
-            )
+            marker = PrefixPass(self.cache, self.collect_router_logits, self.attention_replay)
+            out = self._forward(module, self.prefix_ids[:, :-1], positions, **{PASS_KWARG: marker}, **replay, **extra)
         hidden = out[0]  # the last hidden state, or the logits when Phase A runs the whole model (FSDP2)
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
@@ -156,11 +158,12 @@ class PrefixGroup:
         return offload
 
     def _recomputing(self) -> contextlib.AbstractContextManager:
+        """Checkpoint the configured share of prefix layers; yields the checkpointed layers' indices."""
         share = getattr(self._inner, "_prefixflow_prefix_recompute", None)
         if share is None:
             share = RECOMPUTE_SHARE if self.offload is not None else 0.0
-        if not (self.trains and share):
-            return contextlib.nullcontext()
+        if not self.trains:
+            return contextlib.nullcontext(set())
         return recomputed_layers(decoder_of(self._inner), share)
 
     def _adopt(self, cache: TrainingKVCache) -> None:

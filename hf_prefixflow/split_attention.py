@@ -91,20 +91,6 @@ def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> K
     return FLASH if head_dim <= 256 and torch.backends.cuda.flash_sdp_enabled() else None
 
 
-def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """`[B, Hq, L, ...]` -> `[1, Hkv, B*G*L, ...]`: every row and GQA group of a KV head as one query sequence."""
-    batch, heads = x.shape[:2]
-    x = x.reshape(batch, kv_heads, -1, *x.shape[3:])
-    return x.transpose(0, 1).reshape(1, kv_heads, -1, *x.shape[3:]).contiguous()
-
-
-def _unfold(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    batch, heads, length = like.shape[:3]
-    kv_heads = x.shape[1]
-    x = x.reshape(kv_heads, batch, heads // kv_heads * length, *x.shape[3:]).transpose(0, 1)
-    return x.reshape(batch, heads, length, *x.shape[3:])
-
-
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
     """Sums of kernel outputs round once, in at least fp32 (fp64 inputs stay fp64)."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -140,16 +126,26 @@ def _sum(dq_p, dq_s):
     return (dq_p.to(dtype) + dq_s.to(dtype)).to(dq_s.dtype)
 
 
+@_fused
+def _batch_sum(grad):
+    """A prefix K/V gradient summed over the wave's rows (the rows read one cache through a stride-0 expand)."""
+    return grad.sum(0, keepdim=True, dtype=_accumulation_dtype(grad)).to(grad.dtype)
+
+
+def _batch_sum_of(grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.shape[0] == 1 else _batch_sum(grad)
+
+
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, scale, kernel: Kernel):
-        q_folded = _fold(query, key.shape[1])
-        out_p, lse_p, state_p = kernel.forward(q_folded, prefix_key, prefix_value, False, scale)
-        out_s, lse_s, state_s = kernel.forward(query, key, value, True, scale)  # native GQA: K/V not repeated
+        batch = query.shape[0]
+        prefix = [x.expand(batch, -1, -1, -1) for x in (prefix_key, prefix_value)]  # views: nothing is copied
+        out_p, lse_p, state_p = kernel.forward(query, *prefix, False, scale)
+        out_s, lse_s, state_s = kernel.forward(query, key, value, True, scale)
         # lse layouts differ between kernels (e.g. a trailing 1): merge in `[B, Hq, L]`, hand each back its own.
         shape_p, shape_s = lse_p.shape, lse_s.shape
-        out, lse = _merge(_unfold(out_p, query), _unfold(lse_p.reshape(lse_p.shape[:3]), query),
-                          out_s, lse_s.reshape(lse_s.shape[:3]))
+        out, lse = _merge(out_p, lse_p.reshape(shape_p[:3]), out_s, lse_s.reshape(shape_s[:3]))
         ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse)
         ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s)
         return out
@@ -158,14 +154,10 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
         scale, kernel, shape_p, shape_s, state_p, state_s = ctx.meta
-        kv_heads = prefix_key.shape[1]
-        grad = grad.contiguous()
-        dq_p, dk_p, dv_p = kernel.backward(
-            _fold(grad, kv_heads), _fold(query, kv_heads), prefix_key, prefix_value, _fold(out, kv_heads),
-            _fold(lse, kv_heads).reshape(shape_p), False, scale, state_p)
-        dq_s, dk, dv = kernel.backward(grad, query, key, value, out, lse.reshape(shape_s).contiguous(), True, scale,
-                                       state_s)
-        return _sum(_unfold(dq_p, query), dq_s), dk_p, dv_p, dk, dv, None, None
+        prefix = [x.expand(query.shape[0], -1, -1, -1) for x in (prefix_key, prefix_value)]
+        dq_p, dk_p, dv_p = kernel.backward(grad, query, *prefix, out, lse.reshape(shape_p), False, scale, state_p)
+        dq_s, dk, dv = kernel.backward(grad, query, key, value, out, lse.reshape(shape_s), True, scale, state_s)
+        return _sum(dq_p, dq_s), _batch_sum_of(dk_p), _batch_sum_of(dv_p), dk, dv, None, None
 
 
 def split_attention(
@@ -176,5 +168,4 @@ def split_attention(
     causally, their own `key/value [B, Hkv, L, D]`; returns `[B, Hq, L, D]`."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    query, key, value = (x.contiguous() for x in (query, key, value))
     return _SplitAttention.apply(query, prefix_key, prefix_value, key, value, scale, kernel)

@@ -1,4 +1,4 @@
-"""The training-time KV cache: gK/gV accumulate in fp32 across waves and are handed to Phase C once."""
+"""The training-time KV cache: gK/gV accumulate across waves in the model's gradient precision and reach Phase C once."""
 
 import weakref
 
@@ -50,3 +50,21 @@ def test_one_wave_keeps_its_gradient_as_autograd_made_it_and_a_second_sums_in_fp
         key.leaf.backward(grad)
     expected = waves[0].float() + waves[1].float() + waves[2].float()
     assert key.grad.dtype == torch.float32 and torch.equal(key.grad, expected)
+
+
+def test_a_bf16_sum_dtype_adds_waves_in_bf16_one_rounding_each():
+    """With bf16 trainable weights the baseline's `param.grad` sums microbatches in bf16; gK/gV then do the same:
+    each wave rounds once into a bf16 sum (not fp32, not a wider value in disguise)."""
+    gen = torch.Generator().manual_seed(6)
+    live = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True).bfloat16()
+    waves = [torch.randn(4, 8, generator=gen).bfloat16() for _ in range(4)]
+    cache = TrainingKVCache(4, grad_dtype=torch.bfloat16)
+    cache.capture(0, live, live * 2)
+    key = cache.layers[0].key
+    for grad in waves:
+        key.leaf.backward(grad)
+    expected = waves[0].clone()
+    for grad in waves[1:]:
+        expected += grad
+    assert key.grad.dtype == torch.bfloat16 and torch.equal(key.grad, expected)
+    assert not torch.equal(key.grad.float(), sum(w.float() for w in waves))  # these draws round differently in fp32

@@ -50,8 +50,8 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
 def _recorded_packs(monkeypatch) -> list:
     """(saved tensor, what the offloader packed it as) for every save while the hooks are on."""
     packs = []
-    pack = hf_prefixflow.offload.PrefixOffload._pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+    pack = hf_prefixflow.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
                         lambda self, t: packs.append((t, pack(self, t))) or packs[-1][1])
     return packs
 
@@ -113,8 +113,8 @@ def test_checkpointed_layer_inputs_are_offloaded(monkeypatch):
     inputs, packed = [], []
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0]) if args else None)
-    pack = hf_prefixflow.offload.PrefixOffload._pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+    pack = hf_prefixflow.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
                         lambda self, t: packed.append((t, self._eligible(t))) or pack(self, t))
     prefixflow_backward(model, group, plan)
     layers = len(model.model.layers)
@@ -133,7 +133,7 @@ def test_restored_tensors_die_after_use(monkeypatch):
     group = random_group(gen, prefix=(12, 16), n=(2, 3))
     restored, alive_at_release, offloads = [], [], []
     offload_cls = hf_prefixflow.offload.PrefixOffload
-    unpack, release = offload_cls._unpack, offload_cls.release
+    unpack, release = offload_cls.unpack, offload_cls.release
 
     def tracking_unpack(self, packed):
         out = unpack(self, packed)
@@ -147,7 +147,7 @@ def test_restored_tensors_die_after_use(monkeypatch):
         alive_at_release.extend(ref for ref, entry in restored if ref() is not None and entry.consumed)
         release(self)
 
-    monkeypatch.setattr(offload_cls, "_unpack", tracking_unpack)
+    monkeypatch.setattr(offload_cls, "unpack", tracking_unpack)
     monkeypatch.setattr(offload_cls, "release", checking_release)
     prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
     (offload,) = offloads
@@ -161,7 +161,8 @@ def test_restored_tensors_die_after_use(monkeypatch):
 def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recomputed, offload):
     """Phase C recomputes the chosen layers (the last one first), from their offloaded inputs or, without offload,
     from their inputs on the device, with the same gradients; the other layers' activations come back from the host
-    (or stay), and the layers are restored after Phase A."""
+    (or stay), and the layers are restored after Phase A. With offload the recompute replays each layer's attention
+    from Phase A (the kernel runs once per layer); without, it reruns it."""
     gen = torch.Generator().manual_seed(int(share * 8))
     model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=4).train())
     group = random_group(gen, prefix=(12, 20), n=(2, 4))
@@ -171,14 +172,26 @@ def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recompute
     model.zero_grad(set_to_none=True)
 
     hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=share)
-    calls = []
+    calls, prefix_kernel_runs = [], []
     for index, layer in enumerate(model.model.layers):  # a recompute reruns the layer's forward, not its hooks
         layer.self_attn.k_proj.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
-    prefixflow_backward(model, group, plan)
+    cpu = hf_prefixflow.split_attention.CPU
+
+    def counting_forward(q, k, v, causal, scale):
+        if causal and q.shape[0] == 1 and q.shape[2] == k.shape[2] == len(group.prefix) - 1:
+            prefix_kernel_runs.append(len(calls))
+        return cpu.forward(q, k, v, causal, scale)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_prefixflow.split_attention, "CPU", hf_prefixflow.split_attention.Kernel(
+            "counting", counting_forward, cpu.backward))
+        prefixflow_backward(model, group, plan)
     layers = len(model.model.layers)
     waves = len(plan)
     assert calls[:layers] == list(range(layers))  # Phase A
     assert calls[layers * (1 + waves):] == recomputed[::-1]  # Phase C: only the recomputed layers, last one first
+    replayed = recomputed if offload else []  # the layers whose Phase-A attention ran through the kept kernel
+    assert len(prefix_kernel_runs) == len(replayed) and all(run <= layers for run in prefix_kernel_runs)
     assert not any(layer.gradient_checkpointing or "_gradient_checkpointing_func" in vars(layer)
                    for layer in model.model.layers)
     for name, grad in gradients(model).items():
@@ -217,7 +230,7 @@ def test_prefetch_runs_about_two_layers_ahead():
     group = random_group(gen, prefix=(20, 24), n=(2, 3))
     ahead, offloads = [], []
     offload_cls = hf_prefixflow.offload.PrefixOffload
-    unpack = offload_cls._unpack
+    unpack = offload_cls.unpack
 
     def measuring_unpack(self, packed):
         out = unpack(self, packed)
@@ -226,7 +239,7 @@ def test_prefetch_runs_about_two_layers_ahead():
         return out
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(offload_cls, "_unpack", measuring_unpack)
+        patch.setattr(offload_cls, "unpack", measuring_unpack)
         prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
     offload = offloads[0]
     layer_bytes = offload.offloaded_bytes / 6
@@ -245,8 +258,8 @@ def test_a_group_leaves_no_prefix_graph_behind(share, monkeypatch):
     monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_eligible",
                         lambda self, t: eligible(self, t) and t.numel() >= 64)  # as a GPU's size threshold
     packed = []
-    pack = hf_prefixflow.offload.PrefixOffload._pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_pack",
+    pack = hf_prefixflow.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
                         lambda self, t: packed.append(pack(self, t)) or packed[-1])
     gen = torch.Generator().manual_seed(7)
     model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=3).train(), offload=True,

@@ -177,3 +177,25 @@ def test_suffix_waves_can_keep_their_activations_under_checkpointing(family):
             out.logits.sum().backward()
         saved[keep_checkpointing] = len(count)
     assert saved[False] > 2 * saved[True], saved
+
+
+def test_kv_grads_sum_in_the_precision_of_the_trainable_weights():
+    """gK/gV sum across waves as the model's own gradients accumulate: bf16 for bf16 weights, fp32 for PEFT's fp32
+    adapters on a bf16 base, fp64 here in fp64; `kv_grad_dtype` overrides."""
+    from hf_prefixflow.model import kv_grad_dtype
+
+    model = hf_prefixflow.apply_prefixflow(build("llama"))
+    assert kv_grad_dtype(model) == torch.float64
+    model = model.bfloat16()
+    prompt = torch.randint(3, 90, (9,))
+    with hf_prefixflow.prefix_group(model, prompt) as group:
+        for _ in range(2):
+            group(torch.randint(3, 90, (2, 4))).logits.float().sum().backward()
+        assert {t.grad.dtype for t in group.cache.tensors()} == {torch.bfloat16}
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))  # adapters in fp32
+    assert kv_grad_dtype(lora) == torch.float32
+    hf_prefixflow.apply_prefixflow(model, kv_grad_dtype=torch.float64)
+    with torch.no_grad(), hf_prefixflow.prefix_group(lora, prompt) as group:
+        assert group.cache.grad_dtype == torch.float64
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match="floating-point"):
+        hf_prefixflow.apply_prefixflow(model, kv_grad_dtype=torch.int32)

@@ -28,7 +28,7 @@ from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefix
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
 from hf_prefixflow.model import unwrap
-from hf_prefixflow.offload import RECOMPUTE_SHARE
+from hf_prefixflow.recompute import RECOMPUTE_SHARE
 
 from . import routing, sequence_parallel
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
@@ -64,8 +64,9 @@ class PrefixFlowGRPOConfig(GRPOConfig):
     prefixflow_wave_size: str | None = field(
         default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
                                         "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
-
-
+    prefixflow_kv_grad_dtype: str | None = field(
+        default=None, metadata={"help": "dtype gK/gV sum in across waves ('float32', 'bfloat16'); default: the "
+                                        "trainable parameters' own (fp32 under DeepSpeed, which accumulates in fp32)"})
     prefixflow_sp_size: int = field(
         default=1, metadata={"help": "Ulysses sequence parallelism over groups of this many consecutive processes "
                                      "(trainers/sequence_parallel.py); ParallelismConfig(sp_size=N) means the same"})
@@ -81,7 +82,7 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
                          "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_prefix_recompute",
-                         "prefixflow_suffix_checkpointing", "prefixflow_wave_size")}
+                         "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_kv_grad_dtype")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -99,7 +100,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._auto_waves = self._check_wave_size()
         apply_prefixflow(self.model, offload=self.prefixflow_offload,
                          prefix_recompute=self.prefixflow_prefix_recompute,
-                         suffix_checkpointing=self.prefixflow_suffix_checkpointing)
+                         suffix_checkpointing=self.prefixflow_suffix_checkpointing,
+                         kv_grad_dtype=self._kv_grad_dtype())
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
@@ -114,6 +116,16 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._split and moe.routers(unwrap(self.model)):
             raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
                                   "router logits are per rank); " + _WHOLE_GROUPS)
+
+    def _kv_grad_dtype(self) -> torch.dtype | None:
+        name = self.prefixflow_kv_grad_dtype
+        if name is None:
+            return torch.float32 if self._deepspeed else None  # DeepSpeed's grad_accum_dtype defaults to fp32
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise PrefixFlowError(f"prefixflow_kv_grad_dtype must name a floating-point torch dtype such as "
+                                  f"'float32' or 'bfloat16', got {name!r}.")
+        return dtype
 
     @property
     def _deepspeed(self) -> bool:

@@ -192,7 +192,7 @@ class UlyssesGroup(PrefixGroup):
         cached = (self.prefix_ids.shape[1] - 1) // self.sp.size * self.sp.size
         # The prompt tokens past the largest multiple of sp ride at the head of every suffix instead.
         self.prefix_ids, self.moved = self.prefix_ids[:, : cached + 1], self.prefix_ids[:, cached + 1 :]
-        self.cache = TrainingKVCache(cached)
+        self.cache = TrainingKVCache(cached, self.cache.grad_dtype)
 
     def padded_wave(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     routes: torch.Tensor | None = None) -> Wave:
