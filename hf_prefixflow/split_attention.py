@@ -107,9 +107,19 @@ def _fused(fn: Callable) -> Callable:
     def run(*args):
         if not args[0].is_cuda or torch.compiler.is_compiling():  # a compiled caller fuses `fn` into its own graph
             return fn(*args)
-        return compiled()(*args)
+        return in_memory_order(compiled(), *args)
 
     return run
+
+
+def in_memory_order(fn: Callable, *args: torch.Tensor):
+    """`fn(*args)` over `[B, H, L, ...]` tensors, run on their `[B, L, H, ...]` views when that is how the 4-D ones
+    lie in memory (the cuDNN and flash kernels' outputs for transformers' query layout): a compiled element-wise
+    kernel then walks memory in order. Outputs come back as `[B, H, L, ...]` views."""
+    if not all(x.dim() != 4 or x.transpose(1, 2).is_contiguous() for x in args):
+        return fn(*args)
+    out = fn(*(x.transpose(1, 2) for x in args))
+    return tuple(y.transpose(1, 2) for y in out) if isinstance(out, tuple) else out.transpose(1, 2)
 
 
 @_fused

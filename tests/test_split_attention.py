@@ -116,3 +116,24 @@ def test_autocast_casts_the_cache_once_per_group(monkeypatch):
     layers = model.config.num_hidden_layers
     assert len(seen) == 3 * layers and {dtype for _, _, dtype in seen} == {torch.bfloat16}
     assert len({pk for pk, _, _ in seen}) == layers and all(received)
+
+
+def test_merge_and_sums_run_in_the_kernels_memory_order():
+    """Kernel outputs lie as `[B, L, H, D]`; the compiled merge and sums see them that way (contiguous) and hand
+    back `[B, H, L, D]` views with the same values as the plain functions."""
+    gen = torch.Generator().manual_seed(3)
+    out_p, out_s = (torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    lse_p, lse_s = (torch.randn(2, 4, 5, generator=gen, dtype=torch.float64) for _ in range(2))
+    seen = []
+
+    def spy(fn):
+        return lambda *args: seen.append([x.is_contiguous() for x in args if x.dim() == 4]) or fn(*args)
+
+    merged = split_attention.in_memory_order(spy(split_attention._merge.__wrapped__), out_p, lse_p, out_s, lse_s)
+    expected = split_attention._merge.__wrapped__(out_p, lse_p, out_s, lse_s)
+    summed = split_attention.in_memory_order(spy(split_attention._batch_sum.__wrapped__), out_p)
+    assert seen == [[True, True], [True]]
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(merged, expected))
+    assert torch.equal(summed, out_p.sum(0, keepdim=True)) and summed.shape == (1, 4, 5, 8)
+    plain = split_attention.in_memory_order(spy(split_attention._sum.__wrapped__), out_p.contiguous(), out_s)
+    assert seen[-1] == [True, False] and torch.equal(plain, out_p + out_s)  # mixed layouts: called as they are
