@@ -79,13 +79,12 @@ class AttentionReplay:
         self.layers = layers
         self.offload = offload  # an `offload.PrefixOffload`: `pack` moves a tensor to the host, `unpack` brings it back
         self.kept: dict[int, tuple] = {}
-        self.replayed = 0
 
     def attend(self, module: torch.nn.Module, query, key, value, scale: float | None) -> torch.Tensor | None:
         """Causal attention of one prefix `[1, H, P, D]` as `[1, P, Hq, D]`, replayed in this layer's recompute;
         None when the layer is not recomputed or no kernel returns a log-sum-exp for these tensors."""
-        kernel = split_attention.kernel_for(query, key, value)
-        if module.layer_idx not in self.layers or kernel is None:
+        kernel = split_attention.kernel_for(query, key, value) if module.layer_idx in self.layers else None
+        if kernel is None:
             return None
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return _ReplayedAttention.apply(query, key, value, scale, kernel, self, module.layer_idx).transpose(1, 2)
@@ -97,7 +96,6 @@ class AttentionReplay:
         kept = self.kept.pop(layer, None)
         if kept is None:
             return None
-        self.replayed += 1
         out, lse, state = kept
         return self.offload.unpack(out), self.offload.unpack(lse), state
 

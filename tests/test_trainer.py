@@ -259,3 +259,16 @@ def test_automatic_wave_size_needs_cuda(tmp_path):
     with pytest.raises(PrefixFlowError, match="reads free CUDA memory"):
         train(PrefixFlowGRPOTrainer, setup.make_model(), tmp_path, config_cls=PrefixFlowGRPOConfig,
               prefixflow_wave_size="auto")
+
+
+def test_kv_grad_dtype_setting():
+    """gK/gV sums: the weights' own precision by default, fp32 under DeepSpeed (its grad_accum_dtype default), a named
+    dtype when set; anything else is refused."""
+    from types import SimpleNamespace
+
+    pick = PrefixFlowGRPOTrainer._kv_grad_dtype
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _deepspeed=False)) is None
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _deepspeed=True)) == torch.float32
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype="bfloat16", _deepspeed=True)) == torch.bfloat16
+    with pytest.raises(PrefixFlowError, match="prefixflow_kv_grad_dtype"):
+        pick(SimpleNamespace(prefixflow_kv_grad_dtype="int8", _deepspeed=False))
