@@ -9,14 +9,13 @@ kernels. Divide by the tokens each side ran (baseline: wave x (P + S); Phase B: 
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from speed import SHAPES, baseline_group, build, suffix_loss
+from speed import baseline_group, build, group_parser, random_group, suffix_loss
 
 CATEGORIES = (
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")), ("attention", ("sdpa", "flash", "fmha", "attention")),
@@ -47,18 +46,13 @@ def breakdown(prof, label: str, rows: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
-    parser.add_argument("--prefix", type=int, default=10240)
-    parser.add_argument("--suffix", type=int, default=2048)
+    parser = group_parser(__doc__, model="llama3-8b")
     parser.add_argument("--wave", type=int, default=2)
     parser.add_argument("--rows", type=int, default=14)
     args = parser.parse_args()
 
     model = build(args.model)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (args.prefix,), device="cuda")
-    suffixes = list(torch.randint(0, vocab, (2 * args.wave, args.suffix), device="cuda"))
+    prompt, suffixes = random_group(model, args.prefix, args.suffix, 2 * args.wave)
 
     def waves(group) -> None:
         for start in range(0, len(suffixes), args.wave):

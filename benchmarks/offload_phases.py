@@ -8,14 +8,13 @@ median of `--repeats` groups after two warm-up groups. Offload runs with `prefix
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from speed import SHAPES, build, suffix_loss
+from speed import build, group_parser, random_group, suffix_loss
 
 
 def event() -> torch.cuda.Event:
@@ -39,19 +38,14 @@ def group(model, prompt, suffixes) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
-    parser.add_argument("--prefix", type=int, default=10240)
-    parser.add_argument("--suffix", type=int, default=2048)
+    parser = group_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, default=14)
     args = parser.parse_args()
 
     model = build(args.model)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (args.prefix,), device="cuda")
-    suffixes = list(torch.randint(0, vocab, (args.n, args.suffix), device="cuda"))
+    prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
     for offload in (False, True):
         hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=1.0 if offload else 0.0)
         for _ in range(2):

@@ -10,7 +10,6 @@ torch.profiler's top CUDA kernels for one baseline sequence and for one group.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
 import torch
@@ -18,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
 from hf_prefixflow.flops import ModelShape
-from speed import SHAPES, baseline_group, build, suffix_loss
+from speed import baseline_group, build, group_parser, random_group, suffix_loss
 
 
 def events_time(fn) -> float:
@@ -55,10 +54,7 @@ def top_kernels(fn, rows: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
-    parser.add_argument("--prefix", type=int, default=10240)
-    parser.add_argument("--suffix", type=int, default=2048)
+    parser = group_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--wave", type=int, default=1, help="suffixes per wave")
     parser.add_argument("--offload", action="store_true", help="prefix activation offload (hf_prefixflow.offload)")
@@ -69,9 +65,7 @@ def main() -> None:
 
     model = hf_prefixflow.apply_prefixflow(build(args.model), offload=args.offload,
                                            prefix_recompute=args.prefix_recompute)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (args.prefix,), device="cuda")
-    suffixes = list(torch.randint(0, vocab, (args.n, args.suffix), device="cuda"))
+    prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
     for _ in range(2):  # warm-up: allocator, cuBLAS handles, kernel selection
         baseline_group(model, prompt, suffixes[:1])
         phases(model, prompt, suffixes, args.wave)

@@ -49,6 +49,22 @@ def build(name: str, prefixflow: bool = True, compile: bool = False, lora: bool 
     return hf_prefixflow.apply_prefixflow(model.train()) if prefixflow else model.train()
 
 
+def group_parser(doc: str, model: str = "qwen3-1.7b") -> argparse.ArgumentParser:
+    """The arguments of the scripts that study one group: `--model`, `--prefix`, `--suffix`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=model, choices=sorted(SHAPES))
+    parser.add_argument("--prefix", type=int, default=10240)
+    parser.add_argument("--suffix", type=int, default=2048)
+    return parser
+
+
+def random_group(model, prefix: int, suffix: int, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A random prompt of `prefix` tokens and `n` completions of `suffix` tokens on the GPU."""
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (prefix,), device="cuda")
+    return prompt, list(torch.randint(0, vocab, (n, suffix), device="cuda"))
+
+
 def suffix_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="mean")
 
