@@ -49,7 +49,7 @@ class Entry:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """gK/gV are summed in at least fp32 (`kv_cache.CachedTensor`), across ranks too."""
+        """Ranks sum gK/gV in at least fp32, whatever dtype each rank's waves summed in (`kv_cache.CachedTensor`)."""
         return torch.promote_types(self.dtype, torch.float32)
 
 
