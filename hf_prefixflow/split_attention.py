@@ -3,11 +3,12 @@
 A right-padded wave's queries see every cached prefix key and, causally, their own suffix keys. Instead of
 concatenating `[prefix ; suffix]` K/V for every wave (a copy of the whole cache per layer per wave) and running a
 bottom-right causal kernel over it, this runs
-- the prefix part non-causally with the cached K/V as they are: queries of all rows and of each GQA group fold
-  into one long query sequence per KV head (the prefix is the same for everyone), so no K/V is expanded or
-  repeated and the kernel sees batch 1 with the KV head count;
+- the prefix part non-causally with the cached K/V as they are: every row reads the one `[1, Hkv, P, D]` cache
+  through a stride-0 expand (nothing copied) with the kernels' native GQA; each row's prefix dK/dV come back
+  rounded like each row's own dK in the full-sequence baseline, and are summed over the rows in fp32;
 - the suffix part as the ordinary square causal attention of the wave, GQA native too (K/V not repeated);
-and merges the two by their log-sum-exps (one compiled element-wise kernel on a GPU). The backward runs each
+both on transformers' `[B, L, H, D]`-strided q/k/v as they come, and merges the two by their log-sum-exps (one
+compiled element-wise kernel on a GPU, in the memory order of the kernels' outputs). The backward runs each
 part's backward kernel with the *merged* output and log-sum-exp: those give every score its true softmax
 probability, so each part returns its exact share of dQ and its own dK/dV (flash-style backwards only ever use `out`
 and `lse`, never the part's own).
@@ -98,9 +99,9 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _fused(fn: Callable) -> Callable:
     """`fn` compiled into one kernel for CUDA tensors, eager elsewhere. Op by op, the merge and the dq sum make a
-    pass over memory per op in fp32 (with the folds around the kernels, about 80 ms of a 2.16 s Llama3-8B group,
-    estimated from the kernel times in benchmarks/results/profile_llama3-8b_wave2.txt); fused, that shape went from
-    93% to 94% of the FLOP bound."""
+    pass over memory per op in fp32; fused, the Llama3-8B shape went from 93% to 94% of the FLOP bound. Walking the
+    kernels' `[B, L, H, D]` memory in `[B, H, L, D]` order the fused merge still took 0.44 ms a call, against
+    0.03 ms of memory traffic (benchmarks/results/kernel_categories_llama3-8b_wave2.log): see `in_memory_order`."""
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))  # on first use: dynamo is slow to import
 
     @functools.wraps(fn)
