@@ -22,7 +22,8 @@ def _setup(family, lora=False, checkpointing=False):
 
 
 @pytest.mark.parametrize("family,lora,checkpointing", [("llama", False, False), ("gemma2", False, False),
-                                                       ("qwen3", True, False), ("mistral", False, True)])
+                                                       ("qwen3", True, False), ("mistral", False, True),
+                                                       ("llama", False, True)])  # every layer's attention replayed
 def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpointing, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     model = _setup(family, lora, checkpointing)
