@@ -242,6 +242,7 @@ class PrefixGroup:
 
     def _release(self) -> None:
         self.cache.free()
+        self.attention_replay = None  # what it kept lived in the offload's buffers, returned next
         if self.offload is not None:
             self.offload.release()
         self.state = "closed"
