@@ -3,9 +3,10 @@
 A right-padded wave's queries see every cached prefix key and, causally, their own suffix keys. Instead of
 concatenating `[prefix ; suffix]` K/V for every wave (a copy of the whole cache per layer per wave) and running a
 bottom-right causal kernel over it, this runs
-- the prefix part non-causally with the cached K/V as they are: every row reads the one `[1, Hkv, P, D]` cache
-  through a stride-0 expand (nothing copied) with the kernels' native GQA; each row's prefix dK/dV come back
-  rounded like each row's own dK in the full-sequence baseline, and are summed over the rows in fp32;
+- the prefix part non-causally with the cached K/V as they are: every row reads the same cache, so the wave's rows
+  fold into one query sequence (a view of transformers' `[B, L, H, D]` layout: nothing is copied) over the one
+  `[1, Hkv, P, D]` cache with the kernels' native GQA; the kernel sums the rows' prefix dK/dV in its fp32
+  accumulator and rounds once;
 - the suffix part as the ordinary square causal attention of the wave, GQA native too (K/V not repeated);
 both on transformers' `[B, L, H, D]`-strided q/k/v as they come, and merges the two by their log-sum-exps (one
 compiled element-wise kernel on a GPU, in the memory order of the kernels' outputs). The backward runs each
@@ -99,11 +100,13 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _fused(fn: Callable) -> Callable:
     """`fn` compiled into one kernel for CUDA tensors, eager elsewhere. Op by op, the merge and the dq sum make a
-    pass over memory per op in fp32; fused, the Llama3-8B shape went from 93% to 94% of the FLOP bound. Walking the
-    kernels' `[B, L, H, D]` memory in `[B, H, L, D]` order the fused merge still took 0.44 ms a call at the 8B
-    shape (28.2 ms over 32 layers x 2 waves in benchmarks/results/kernel_categories_llama3-8b_wave2.log) for 96 MiB of
-    traffic, about 0.03 ms at the H200's bandwidth: see `in_memory_order`."""
-    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))  # on first use: dynamo is slow to import
+    pass over memory per op in fp32; fused, the Llama3-8B shape went from 93% to 94% of the FLOP bound. Compiled
+    with every size symbolic (`dynamic=True`) the merge's kernel took 0.30 ms a call at that shape; with static
+    sizes the merge and the dq sum took 3.2 ms over 64 calls of each (benchmarks/results/
+    kernel_categories_llama3-8b_wave2_rowfold.log, ..._merge_default.log). So sizes start static, and only those that
+    change between waves (the rows, the suffix length) turn symbolic on the one recompile that follows,
+    torch.compile's default (merge_compile_probe.log: no slower a call than one static shape)."""
+    compiled = functools.cache(lambda: torch.compile(fn))  # on first use: dynamo is slow to import
 
     @functools.wraps(fn)
     def run(*args):
@@ -138,26 +141,38 @@ def _sum(dq_p, dq_s):
     return (dq_p.to(dtype) + dq_s.to(dtype)).to(dq_s.dtype)
 
 
-@_fused
-def _batch_sum(grad):
-    """A prefix K/V gradient summed over the wave's rows (the rows read one cache through a stride-0 expand)."""
-    return grad.sum(0, keepdim=True, dtype=_accumulation_dtype(grad)).to(grad.dtype)
+def _rows_folded(x: torch.Tensor) -> torch.Tensor:
+    """`[B, H, L, ...]` as `[1, H, B*L, ...]`: the rows' queries as one sequence (a view when `x` lies as
+    `[B, L, H, ...]`, as transformers' q/k/v and the kernels' outputs do; a copy otherwise). Folded through that
+    layout the strides stay those of a `[1, B*L, H, ...]` tensor seen as `[1, H, B*L, ...]`, as the kernels see
+    transformers' own; one row stays the tensor it is."""
+    if x.shape[0] == 1:
+        return x
+    rows = x.transpose(1, 2)
+    return rows.reshape(1, -1, *rows.shape[2:]).transpose(1, 2)
 
 
-def _batch_sum_of(grad: torch.Tensor) -> torch.Tensor:
-    return grad if grad.shape[0] == 1 else _batch_sum(grad)
+def _rows_unfolded(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """`[1, H, B*L, ...]` back as `[B, H, L, ...]` (always a view)."""
+    return x if batch == 1 else x[0].unflatten(1, (batch, -1)).transpose(0, 1)
+
+
+def _lse_for(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A log-sum-exp as a backward kernel reads it: in its own shape and contiguous. The GPU kernels take its
+    pointer without its strides; the merged one may lie in any order (the compiled merge picks it from its inputs)."""
+    return lse.reshape(shape).contiguous()
 
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, scale, kernel: Kernel):
         batch = query.shape[0]
-        prefix = [x.expand(batch, -1, -1, -1) for x in (prefix_key, prefix_value)]  # views: nothing is copied
-        out_p, lse_p, state_p = kernel.forward(query, *prefix, False, scale)
+        out_p, lse_p, state_p = kernel.forward(_rows_folded(query), prefix_key, prefix_value, False, scale)
         out_s, lse_s, state_s = kernel.forward(query, key, value, True, scale)
         # lse layouts differ between kernels (e.g. a trailing 1): merge in `[B, Hq, L]`, hand each back its own.
         shape_p, shape_s = lse_p.shape, lse_s.shape
-        out, lse = _merge(out_p, lse_p.reshape(shape_p[:3]), out_s, lse_s.reshape(shape_s[:3]))
+        out, lse = _merge(_rows_unfolded(out_p, batch), _rows_unfolded(lse_p.reshape(shape_p[:3]), batch),
+                          out_s, lse_s.reshape(shape_s[:3]))
         ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse)
         ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s)
         return out
@@ -166,10 +181,11 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
         scale, kernel, shape_p, shape_s, state_p, state_s = ctx.meta
-        prefix = [x.expand(query.shape[0], -1, -1, -1) for x in (prefix_key, prefix_value)]
-        dq_p, dk_p, dv_p = kernel.backward(grad, query, *prefix, out, lse.reshape(shape_p), False, scale, state_p)
-        dq_s, dk, dv = kernel.backward(grad, query, key, value, out, lse.reshape(shape_s), True, scale, state_s)
-        return _sum(dq_p, dq_s), _batch_sum_of(dk_p), _batch_sum_of(dv_p), dk, dv, None, None
+        lse_p = _lse_for(_rows_folded(lse), shape_p)
+        dq_p, dk_p, dv_p = kernel.backward(_rows_folded(grad), _rows_folded(query), prefix_key, prefix_value,
+                                           _rows_folded(out), lse_p, False, scale, state_p)
+        dq_s, dk, dv = kernel.backward(grad, query, key, value, out, _lse_for(lse, shape_s), True, scale, state_s)
+        return _sum(_rows_unfolded(dq_p, query.shape[0]), dq_s), dk_p, dv_p, dk, dv, None, None
 
 
 def split_attention(
