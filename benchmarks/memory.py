@@ -235,7 +235,8 @@ def fixed_total(bench: Bench) -> list[dict]:
         paired_cost = statistics.median(on / off - 1 for (on, _), (off, _) in zip(steps["offload"],
                                                                                   steps["prefixflow"]))
         for mode in MODES:
-            bench.log(f"{split} N={args.n} {mode}: {measured[mode][0]:.3f} s, peaks {measured[mode][1]}")
+            bench.log(f"{split} N={args.n} {mode}: {measured[mode][0]:.3f} s (rounds: "
+                      f"{', '.join(f'{s:.3f}' for s, _ in steps[mode])}), peaks {measured[mode][1]}")
         base_s, base_peaks = measured["baseline"]
         for mode in ("prefixflow", "offload"):
             seconds, peaks = measured[mode]
@@ -247,6 +248,7 @@ def fixed_total(bench: Bench) -> list[dict]:
                 "baseline_time_s": round(base_s, 4), "repeats": repeats, "static_gib": round(bench.static_gib(), 3),
                 "host_pool_gib": round(host_pool_bytes(bench) / GIB, 3) if mode == "offload" else 0.0,
                 "offload_cost_paired": round(paired_cost, 4) if mode == "offload" else None,
+                "step_times_s": [round(s, 4) for s, _ in steps[mode]],
             })
         cleanup(bench)
     return rows

@@ -1,13 +1,21 @@
-"""What offload costs per phase: CUDA-event times of Phase A, B and C with and without it, then a profile of each.
+"""What offload costs per phase: CUDA-event times of Phase A, B and C in variants that isolate each cause.
 
     python benchmarks/offload_phases.py --model qwen3-1.7b --n 4
 
-Phases are timed by events on the compute stream without synchronising between waves (as a training step runs);
-median of `--repeats` groups after two warm-up groups. Offload runs with `prefix_recompute` 1 (the default).
+Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpointed on the device, no offload),
+`offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits for
+Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
+group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phases are
+timed by events on the compute stream without synchronising between waves (as a training step runs); median of
+`--repeats` groups after two warm-up groups, the variants interleaved round by round; Phase B's peak allocated
+memory from one more group. `--profile` adds a profile of Phase B alone per variant: its kernel time, and the
+time the compute stream had no kernel running.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 
 import torch
@@ -16,6 +24,14 @@ from torch.profiler import ProfilerActivity, profile
 import hf_prefixflow
 from speed import build, group_parser, random_group, suffix_loss
 
+VARIANTS = {  # name: (offload, prefix_recompute, drain copies before Phase B, collector off)
+    "plain": (False, 0.0, False, False),
+    "recompute": (False, 1.0, False, False),
+    "offload": (True, 1.0, False, False),
+    "offload-drained": (True, 1.0, True, False),
+    "offload-nogc": (True, 1.0, False, True),
+}
+
 
 def event() -> torch.cuda.Event:
     mark = torch.cuda.Event(enable_timing=True)
@@ -23,38 +39,90 @@ def event() -> torch.cuda.Event:
     return mark
 
 
-def group(model, prompt, suffixes) -> tuple[float, float, float]:
-    scope = hf_prefixflow.prefix_group(model, prompt)
-    start = event()
-    waves = scope.__enter__()
-    after_a = event()
-    for suffix in suffixes:
-        suffix_loss(waves(suffix[None]).logits, suffix[None]).backward()
-    after_b = event()
-    scope.__exit__(None, None, None)
-    end = event()
-    torch.cuda.synchronize()
-    return start.elapsed_time(after_a), after_a.elapsed_time(after_b), after_b.elapsed_time(end)
+def settings(variant: str) -> tuple[bool, float, bool, bool]:
+    name, _, share = variant.partition(":")
+    offload, recompute, drain, nogc = VARIANTS[name]
+    return offload, float(share) if share else recompute, drain, nogc
+
+
+def group(model, prompt, suffixes, variant: str, phase_b=None) -> tuple[float, float, float, float]:
+    """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `phase_b` is given (a profiler to run
+    over Phase B alone, or a null context: the host then waits for the device around Phase B)."""
+    offload, recompute, drain, nogc = settings(variant)
+    hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=recompute)
+    if nogc:
+        gc.disable()
+    try:
+        scope = hf_prefixflow.prefix_group(model, prompt)
+        start = event()
+        waves = scope.__enter__()
+        if drain or phase_b is not None:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        after_a = event()
+        with phase_b or contextlib.nullcontext():
+            for suffix in suffixes:
+                suffix_loss(waves(suffix[None]).logits, suffix[None]).backward()
+            after_b = event()
+            if phase_b is not None:
+                torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        scope.__exit__(None, None, None)
+        end = event()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    return start.elapsed_time(after_a), after_a.elapsed_time(after_b), after_b.elapsed_time(end), peak
+
+
+def compute_stream_profile(prof) -> tuple[float, float, float]:
+    """(kernel ms, idle ms, span ms) of the stream that ran the most kernel time, from a profile's GPU events."""
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end))
+    spans = max(by_stream.values(), key=lambda s: sum(b - a for a, b in s))
+    spans.sort()
+    busy, reach = 0.0, spans[0][0]
+    for a, b in spans:
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    span = spans[-1][1] - spans[0][0]
+    return busy / 1e3, (span - busy) / 1e3, span / 1e3
 
 
 def main() -> None:
     parser = group_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)} (offload:S for a recompute share S)")
+    parser.add_argument("--rows", type=int, default=12)
+    parser.add_argument("--profile", action="store_true", help="also profile Phase B of each variant")
     args = parser.parse_args()
+    variants = args.variants.split(",")
 
     model = build(args.model)
     prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
-    for offload in (False, True):
-        hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=1.0 if offload else 0.0)
+    for variant in variants:
         for _ in range(2):
-            group(model, prompt, suffixes)
-        times = [group(model, prompt, suffixes) for _ in range(args.repeats)]
-        a, b, c = (statistics.median(t[i] for t in times) for i in range(3))
-        print(f"offload={offload}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms", flush=True)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            group(model, prompt, suffixes)
+            group(model, prompt, suffixes, variant)
+    times = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for variant in variants:
+            times[variant].append(group(model, prompt, suffixes, variant))
+    for variant in variants:
+        a, b, c = (statistics.median(t[i] for t in times[variant]) for i in range(3))
+        peak = group(model, prompt, suffixes, variant, phase_b=contextlib.nullcontext())[3]
+        print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
+              f"Phase-B peak {peak:.2f} GiB", flush=True)
+    for variant in variants if args.profile else []:
+        prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+        group(model, prompt, suffixes, variant, phase_b=prof)
+        kernels, idle, span = compute_stream_profile(prof)
+        print(f"== {variant}, Phase B profiled: compute stream {kernels:.1f} ms of kernels, {idle:.1f} ms idle, "
+              f"{span:.1f} ms span", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows), flush=True)
 

@@ -40,7 +40,7 @@ def main() -> None:
     lines += [f"| {r['model']}{' +offload' * r.get('offload', False)} | {r['mode']} | {r['P']} / {r['S']} | "
               f"{r['N']} | {r.get('wave', 1)} | "
               f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
-              f"{r['speedup'] / r['flop_bound']:.0%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
+              f"{r['speedup'] / r['flop_bound']:.1%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
     (out / "latest.json").write_text(json.dumps(ordered, indent=1))
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     plot(ordered, out / "speedup_vs_n.png")

@@ -104,7 +104,7 @@ def write(rows: list[dict], args) -> None:
              "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF "
              "| allocator retries base / PF |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
-              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.0%} | {r['baseline_peak_gib']:.1f} / "
+              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | {r['baseline_peak_gib']:.1f} / "
               f"{r['prefixflow_peak_gib']:.1f} | {r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |"
               for r in rows]
     (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
