@@ -243,6 +243,12 @@ def kernel_rows() -> list[dict]:
     return rows
 
 
+def table(header: list[str], rows: list[dict], cells, failed_cells) -> list[str]:
+    """A markdown table: `cells(row)` for each row, `failed_cells(row)` for a row that holds an error instead."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(failed_cells(r) if "error" in r else cells(r)) + " |" for r in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results")
@@ -282,30 +288,25 @@ def main() -> None:
              "", f"`python benchmarks/gpu_equivalence.py{' --bf16-weights' * args.bf16_weights}"
              f"{' --offload' * args.offload}` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
-             f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.", "",
-             "| path | layout | loss | grads | weights | step-1 grad err vs fp32: baseline / PrefixFlow | pass |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['path']} | {r['layout']} | - | - | - | {r['error'][:80]} | no |")
-            continue
-        lines.append(
-            f"| {r['path']} | {r['layout']} | {r['worst_loss_ratio_to_tolerance']:.3f} | "
-            f"{r['worst_grad_ratio_to_tolerance']:.3f} | {r['worst_weight_ratio_to_tolerance']:.3f} | "
-            f"{r['grad_rel_err_vs_fp32_baseline']:.2e} / {r['grad_rel_err_vs_fp32_prefixflow']:.2e} | "
-            f"{ {True: 'yes', False: 'NO', None: '-'}[r['passed']] } |")
+             f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.",
+             ""]
+    verdict = {True: "yes", False: "NO", None: "-"}
+    lines += table(
+        ["path", "layout", "loss", "grads", "weights", "step-1 grad err vs fp32: baseline / PrefixFlow", "pass"], rows,
+        lambda r: [r["path"], r["layout"], f"{r['worst_loss_ratio_to_tolerance']:.3f}",
+                   f"{r['worst_grad_ratio_to_tolerance']:.3f}", f"{r['worst_weight_ratio_to_tolerance']:.3f}",
+                   f"{r['grad_rel_err_vs_fp32_baseline']:.2e} / {r['grad_rel_err_vs_fp32_prefixflow']:.2e}",
+                   verdict[r["passed"]]],
+        lambda r: [r["path"], r["layout"], "-", "-", "-", r["error"][:80], "no"])
     if kernels:
+        errors = lambda values: " ".join(f"{e:.1e}" for e in values)  # noqa: E731
         lines += ["", "Split attention alone, bf16, against fp64 (max relative error: out, dq, prefix dk, prefix dv, "
-                  f"dk, dv); passes at most {KERNEL_ERROR_RATIO}x bf16 SDPA's:", "",
-                  "| kernel | rows | split attention | bf16 SDPA, concatenated | worst ratio | pass |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        for r in kernels:
-            if "error" in r:
-                lines.append(f"| {r['kernel']} | {r['rows']} | {r['error'][:80]} | - | - | no |")
-                continue
-            lines.append(f"| {r['kernel']} | {r['rows']} | {' '.join(f'{e:.1e}' for e in r['split_rel_err'])} | "
-                         f"{' '.join(f'{e:.1e}' for e in r['sdpa_rel_err'])} | {r['worst_ratio']:.2f} | "
-                         f"{'yes' if r['passed'] else 'NO'} |")
+                  f"dk, dv); passes at most {KERNEL_ERROR_RATIO}x bf16 SDPA's:", ""]
+        lines += table(
+            ["kernel", "rows", "split attention", "bf16 SDPA, concatenated", "worst ratio", "pass"], kernels,
+            lambda r: [r["kernel"], str(r["rows"]), errors(r["split_rel_err"]), errors(r["sdpa_rel_err"]),
+                       f"{r['worst_ratio']:.2f}", verdict[r["passed"]]],
+            lambda r: [r["kernel"], str(r["rows"]), r["error"][:80], "-", "-", "no"])
     (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
