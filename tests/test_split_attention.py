@@ -129,6 +129,8 @@ def test_rows_fold_into_one_query_sequence_without_a_copy():
     assert torch.equal(folded[0, :, 5:10], x[1]) and torch.equal(split_attention._rows_unfolded(folded, 3), x)
     lse = torch.randn(3, 4, 5)  # 3-D, contiguous: folded by a copy, same values
     assert torch.equal(split_attention._rows_unfolded(split_attention._rows_folded(lse), 3), lse)
+    row = x[:1]  # one row stays the tensor it is (its strides untouched)
+    assert split_attention._rows_folded(row) is row and split_attention._rows_unfolded(row, 1) is row
 
 
 def test_merge_and_sums_run_in_the_kernels_memory_order():
