@@ -13,7 +13,8 @@ Before the models, the split-attention kernels alone (skipped with `--no-kernel-
 of `split_attention` in bf16 against fp64 attention over the concatenated K/V, at most `KERNEL_ERROR_RATIO` times
 as far from it as bf16 SDPA over the concatenated K/V (the baseline's kernel).
 `--bf16-weights` trains bf16 weights without autocast instead (gK/gV then sum in bf16, as `param.grad` does);
-`--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention).
+`--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention);
+`--compile` compiles every decoder layer of both models.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def full_sequence_step(model, group):
     loss_sum = 0.0
     for completion, advantage in zip(completions, advantages):
         ids = torch.cat([prompt, completion]).to(DEVICE)[None]
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+        logits = model(ids, use_cache=False).logits[0, len(prompt) - 1 : -1]
         loss = token_loss(logits, completion.to(DEVICE), advantage.item(), total)
         loss.backward()
         loss_sum += loss.item()
@@ -93,7 +94,7 @@ def batched_full_sequence_step(model, group):
     for r, c in enumerate(completions):
         ids[r, : len(prompt) + len(c)] = torch.cat([prompt, c])
         mask[r, : len(prompt) + len(c)] = 1
-    logits = model(ids.to(DEVICE), attention_mask=mask.to(DEVICE)).logits
+    logits = model(ids.to(DEVICE), attention_mask=mask.to(DEVICE), use_cache=False).logits
     p = len(prompt)
     loss = sum(token_loss(logits[r, p - 1 : p - 1 + len(c)], c.to(DEVICE), advantages[r].item(), total)
                for r, c in enumerate(completions))
@@ -163,6 +164,8 @@ def run_case(name: str, layout: str, args) -> dict:
     dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     reference = build_model(attn, dtype)
     candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(reference), offload=args.offload)
+    for layer in (layer for model in (reference, candidate) for layer in model.model.layers) if args.compile else ():
+        layer.compile()
     groups = random_groups(args.steps, args.prefix, args.suffix, args.n, reference.config.vocab_size)
 
     fp32 = build_model(attn)
@@ -260,12 +263,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="'cpu' only smoke-tests the script")
     parser.add_argument("--bf16-weights", action="store_true", help="bf16 weights, no autocast")
     parser.add_argument("--offload", action="store_true", help="PrefixFlow with prefix activation offload")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer, both sides")
     parser.add_argument("--tag", default="gpu_equivalence", help="output file name")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # with --compile: never a silently eager layer
 
     env = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
@@ -286,7 +291,7 @@ def main() -> None:
     (out / f"{args.tag}.json").write_text(json.dumps(rows + [{**r, **env} for r in kernels], indent=1))
     lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, {env['date']})",
              "", f"`python benchmarks/gpu_equivalence.py{' --bf16-weights' * args.bf16_weights}"
-             f"{' --offload' * args.offload}` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
+             f"{' --offload' * args.offload}{' --compile' * args.compile}` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
              f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.",
              ""]

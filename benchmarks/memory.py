@@ -71,7 +71,7 @@ class Bench:
                    if not args.tiny and not hasattr(owner, name)]
         if missing:
             raise SystemExit(f"this torch lacks {missing}, which bound the pinned host pool between steps")
-        self.model = build_tiny() if args.tiny else build(args.model)
+        self.model = build_tiny() if args.tiny else build(args.model, compile=args.compile)
         if args.checkpointing:  # baseline and PrefixFlow alike
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab = self.model.config.vocab_size
@@ -474,6 +474,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=480.0, help="no new step starts after this")
     parser.add_argument("--sections", default="fixed,frontier,long")
     parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
                         help="share of prefix layers Phase C recomputes instead of copying back (offload mode)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
@@ -489,7 +490,8 @@ def main() -> None:
     device = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
     report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": "python benchmarks/memory.py "
                          + ("--tiny" if args.tiny else f"--sections {args.sections} --splits {args.splits} "
-                            f"--prefix-recompute {args.prefix_recompute}"), "device": device,
+                            f"--prefix-recompute {args.prefix_recompute}" + " --compile" * args.compile),
+                         "device": device,
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "date": datetime.date.today().isoformat(), "static_gib": round(bench.static_gib(), 3),
                          "dtype": str(next(bench.model.parameters()).dtype).removeprefix("torch.")},

@@ -8,8 +8,8 @@ Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, P
 group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phases are
 timed by events on the compute stream without synchronising between waves (as a training step runs); median of
 `--repeats` groups after two warm-up groups, the variants interleaved round by round; Phase B's peak allocated
-memory from one more group. `--profile` adds a profile of Phase B alone per variant: its kernel time, and the
-time the compute stream had no kernel running.
+memory from one more group. `--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel
+time, and the time the compute stream had no kernel running.
 """
 
 from __future__ import annotations
@@ -45,31 +45,34 @@ def settings(variant: str) -> tuple[bool, float, bool, bool]:
     return offload, float(share) if share else recompute, drain, nogc
 
 
-def group(model, prompt, suffixes, variant: str, phase_b=None) -> tuple[float, float, float, float]:
-    """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `phase_b` is given (a profiler to run
-    over Phase B alone, or a null context: the host then waits for the device around Phase B)."""
+def group(model, prompt, suffixes, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
+    """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `watch` is given: a context (a
+    profiler, or a null context) entered around `phase` ("B" or "C"), the host then waiting for the device around
+    that phase."""
     offload, recompute, drain, nogc = settings(variant)
     hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=recompute)
+    watched = lambda name: watch if watch is not None and name == phase else contextlib.nullcontext()  # noqa: E731
     if nogc:
         gc.disable()
     try:
         scope = hf_prefixflow.prefix_group(model, prompt)
         start = event()
         waves = scope.__enter__()
-        if drain or phase_b is not None:
+        if drain or watch is not None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         after_a = event()
-        with phase_b or contextlib.nullcontext():
+        with watched("B"):
             for suffix in suffixes:
                 suffix_loss(waves(suffix[None]).logits, suffix[None]).backward()
             after_b = event()
-            if phase_b is not None:
+            if watch is not None:
                 torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**30
-        scope.__exit__(None, None, None)
-        end = event()
-        torch.cuda.synchronize()
+        with watched("C"):
+            scope.__exit__(None, None, None)
+            end = event()
+            torch.cuda.synchronize()
     finally:
         gc.enable()
     return start.elapsed_time(after_a), after_a.elapsed_time(after_b), after_b.elapsed_time(end), peak
@@ -99,11 +102,12 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (offload:S for a recompute share S)")
     parser.add_argument("--rows", type=int, default=12)
-    parser.add_argument("--profile", action="store_true", help="also profile Phase B of each variant")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--profile", choices=("B", "C"), help="also profile this phase of each variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
 
-    model = build(args.model)
+    model = build(args.model, compile=args.compile)
     prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
     for variant in variants:
         for _ in range(2):
@@ -114,14 +118,14 @@ def main() -> None:
             times[variant].append(group(model, prompt, suffixes, variant))
     for variant in variants:
         a, b, c = (statistics.median(t[i] for t in times[variant]) for i in range(3))
-        peak = group(model, prompt, suffixes, variant, phase_b=contextlib.nullcontext())[3]
+        peak = group(model, prompt, suffixes, variant, watch=contextlib.nullcontext())[3]
         print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
               f"Phase-B peak {peak:.2f} GiB", flush=True)
     for variant in variants if args.profile else []:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
-        group(model, prompt, suffixes, variant, phase_b=prof)
+        group(model, prompt, suffixes, variant, watch=prof, phase=args.profile)
         kernels, idle, span = compute_stream_profile(prof)
-        print(f"== {variant}, Phase B profiled: compute stream {kernels:.1f} ms of kernels, {idle:.1f} ms idle, "
+        print(f"== {variant}, Phase {args.profile} profiled: compute stream {kernels:.1f} ms of kernels, {idle:.1f} ms idle, "
               f"{span:.1f} ms span", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows), flush=True)

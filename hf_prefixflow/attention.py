@@ -27,7 +27,7 @@ from . import split_attention
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
-from .moe import ROUTES_KWARG, publish
+from .moe import ROUTES_KWARG, publish, routers_hooked
 from .recompute import AttentionReplay
 
 NAME_PREFIX = "prefixflow_"
@@ -199,9 +199,21 @@ def prefixflow_attention(
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)
-    publish(module.layer_idx, kwargs.pop(ROUTES_KWARG, None), _router_sink(marker))  # for this layer's MoE router
+    routes = kwargs.pop(ROUTES_KWARG, None)
+    if routers_hooked():
+        publish(module.layer_idx, routes, _router_sink(marker))  # for this layer's MoE router
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return _marked_attention(module, query, key, value, attention_mask, marker, base, base_fn, dropout, scaling,
+                             kwargs)
+
+
+# Reads and writes the cache by layer index: compiled inline, every decoder layer would be a graph of its own and
+# torch.compile's recompile limit would send most layers back to eager. Its kernels are opaque to the compiler anyway.
+@torch._dynamo.disable
+def _marked_attention(module, query, key, value, attention_mask, marker, base: str, base_fn, dropout, scaling,
+                      kwargs):
+    """Phase A or B attention for the pass `marker`."""
     _check_call(module, dropout, kwargs)
     if isinstance(marker, PrefixPass):
         marker.cache.capture(module.layer_idx, key, value)

@@ -42,6 +42,7 @@ ADAPTERS: dict[str, RouterAdapter] = {
 
 _published: dict[int, tuple] = {}  # layer -> (routes or None, logits sink or None) for the router about to run
 _recorders: list["RoutingRecorder"] = []
+_hooked_routers = 0  # routers that consume `_published`, over every model `enable_replay` has seen
 
 
 def register_router(class_name: str, adapter: RouterAdapter) -> None:
@@ -49,6 +50,12 @@ def register_router(class_name: str, adapter: RouterAdapter) -> None:
     ADAPTERS[class_name] = adapter
 
 
+def routers_hooked() -> bool:
+    """Whether any router reads what `publish` leaves: a dense model's attention need not publish."""
+    return _hooked_routers > 0
+
+
+@torch._dynamo.disable  # keyed by layer index: compiled inline, every decoder layer would be a graph of its own
 def publish(layer_idx: int, routes: torch.Tensor | None, sink: Callable | None = None) -> None:
     """Called by the attention function of `layer_idx`: the routes (or None) its MoE block must use next, and
     where to hand that block's router logits (`sink(layer_idx, logits)`, for the load-balancing loss)."""
@@ -77,6 +84,7 @@ def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch
     return logits, scores, indices
 
 
+@torch._dynamo.disable  # keyed by layer index, as `publish`
 def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
     # A module-level hook that receives the router: deep copies of the model (reference models) keep working.
     routes, sink = _published.pop(router._prefixflow_layer, (None, None))
@@ -107,11 +115,13 @@ def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, RouterAd
 def enable_replay(model: torch.nn.Module) -> int:
     """Make every known router replay published routes and report to recorders (idempotent); returns how many
     routers there are. The router's own forward still runs; the hook swaps in the replayed output."""
+    global _hooked_routers
     found = routers(model)
     for layer_idx, router, _ in found:
         if not hasattr(router, "_prefixflow_layer"):
             router._prefixflow_layer = layer_idx
             router.register_forward_hook(_router_hook)
+            _hooked_routers += 1
     return len(found)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 import torch.utils.checkpoint
@@ -56,6 +57,11 @@ def recomputed_layers(decoder: torch.nn.Module, share: float):
     already checkpoints stay as they are. Yields the attention `layer_idx` of every checkpointed layer."""
     layers = decoder_layers(decoder)
     switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
+    if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in switched):
+        warnings.warn(
+            "torch.compile runs a checkpointed layer eagerly when it has a graph break, and PrefixFlow's attention is "
+            "one: the prefix layers recomputed in Phase C (prefix_recompute) run uncompiled in Phase A and C. "
+            "prefix_recompute=0 keeps them compiled, at the cost of Phase-B memory.", stacklevel=3)
     previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for layer in switched:
