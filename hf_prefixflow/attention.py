@@ -27,7 +27,7 @@ from . import split_attention
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
-from .moe import ROUTES_KWARG, publish, routers_hooked
+from .moe import PUBLISHES, ROUTES_KWARG, publish
 from .recompute import AttentionReplay
 
 NAME_PREFIX = "prefixflow_"
@@ -200,7 +200,7 @@ def prefixflow_attention(
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)
     routes = kwargs.pop(ROUTES_KWARG, None)
-    if routers_hooked():
+    if getattr(module, PUBLISHES, False):
         publish(module.layer_idx, routes, _router_sink(marker))  # for this layer's MoE router
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -42,17 +42,12 @@ ADAPTERS: dict[str, RouterAdapter] = {
 
 _published: dict[int, tuple] = {}  # layer -> (routes or None, logits sink or None) for the router about to run
 _recorders: list["RoutingRecorder"] = []
-_hooked_routers = 0  # routers that consume `_published`, over every model `enable_replay` has seen
+PUBLISHES = "_prefixflow_publishes_routes"  # set on the attention modules of layers with a router
 
 
 def register_router(class_name: str, adapter: RouterAdapter) -> None:
     """Teach replay a new router class (a few lines per family)."""
     ADAPTERS[class_name] = adapter
-
-
-def routers_hooked() -> bool:
-    """Whether any router reads what `publish` leaves: a dense model's attention need not publish."""
-    return _hooked_routers > 0
 
 
 @torch._dynamo.disable  # keyed by layer index: compiled inline, every decoder layer would be a graph of its own
@@ -115,13 +110,15 @@ def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, RouterAd
 def enable_replay(model: torch.nn.Module) -> int:
     """Make every known router replay published routes and report to recorders (idempotent); returns how many
     routers there are. The router's own forward still runs; the hook swaps in the replayed output."""
-    global _hooked_routers
     found = routers(model)
     for layer_idx, router, _ in found:
         if not hasattr(router, "_prefixflow_layer"):
             router._prefixflow_layer = layer_idx
             router.register_forward_hook(_router_hook)
-            _hooked_routers += 1
+    routed = {layer_idx for layer_idx, _, _ in found}
+    for module in model.modules():  # their attention publishes; a dense layer's has no router to hand routes to
+        if getattr(module, "layer_idx", None) in routed:
+            setattr(module, PUBLISHES, True)
     return len(found)
 
 
