@@ -201,7 +201,7 @@ def prefixflow_attention(
     marker = kwargs.pop(PASS_KWARG, None)
     routes = kwargs.pop(ROUTES_KWARG, None)
     if getattr(module, PUBLISHES, False):
-        publish(module.layer_idx, routes, _router_sink(marker))  # for this layer's MoE router
+        _publish(module, routes, marker)
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _marked_attention(module, query, key, value, attention_mask, marker, base, base_fn, dropout, scaling,
@@ -222,6 +222,11 @@ def _marked_attention(module, query, key, value, attention_mask, marker, base: s
             return replayed, None
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return _suffix_attention(module, query, key, value, marker, base, base_fn, dropout, scaling, kwargs)
+
+
+@torch._dynamo.disable  # keyed by layer index, like `_marked_attention`
+def _publish(module: torch.nn.Module, routes: torch.Tensor | None, marker) -> None:
+    publish(module.layer_idx, routes, _router_sink(marker))  # for this layer's MoE router
 
 
 def _router_sink(marker) -> Callable | None:

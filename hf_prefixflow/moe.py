@@ -50,7 +50,6 @@ def register_router(class_name: str, adapter: RouterAdapter) -> None:
     ADAPTERS[class_name] = adapter
 
 
-@torch._dynamo.disable  # keyed by layer index: compiled inline, every decoder layer would be a graph of its own
 def publish(layer_idx: int, routes: torch.Tensor | None, sink: Callable | None = None) -> None:
     """Called by the attention function of `layer_idx`: the routes (or None) its MoE block must use next, and
     where to hand that block's router logits (`sink(layer_idx, logits)`, for the load-balancing loss)."""
@@ -79,7 +78,7 @@ def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch
     return logits, scores, indices
 
 
-@torch._dynamo.disable  # keyed by layer index, as `publish`
+@torch._dynamo.disable  # keyed by layer index: compiled inline, each layer would be a graph of its own
 def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
     # A module-level hook that receives the router: deep copies of the model (reference models) keep working.
     routes, sink = _published.pop(router._prefixflow_layer, (None, None))

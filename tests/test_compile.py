@@ -22,7 +22,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family,offload", [("llama", False), ("qwen3", True)])
+@pytest.mark.parametrize("family,offload", [("llama", False), ("qwen3", True), ("qwen3_moe", False)])
 def test_compiled_layers_train_like_the_full_sequence(family, offload, fresh_dynamo):
     gen = torch.Generator().manual_seed(3)
     reference = build(family, num_hidden_layers=LAYERS).train()
