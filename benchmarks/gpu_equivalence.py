@@ -291,7 +291,8 @@ def main() -> None:
     (out / f"{args.tag}.json").write_text(json.dumps(rows + [{**r, **env} for r in kernels], indent=1))
     lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, {env['date']})",
              "", f"`python benchmarks/gpu_equivalence.py{' --bf16-weights' * args.bf16_weights}"
-             f"{' --offload' * args.offload}{' --compile' * args.compile}` — P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, "
+             f"{' --offload' * args.offload}{' --compile' * args.compile}` — P={args.prefix}, "
+             f"suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
              f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.",
              ""]

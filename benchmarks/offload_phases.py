@@ -125,8 +125,8 @@ def main() -> None:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
         group(model, prompt, suffixes, variant, watch=prof, phase=args.profile)
         kernels, idle, span = compute_stream_profile(prof)
-        print(f"== {variant}, Phase {args.profile} profiled: compute stream {kernels:.1f} ms of kernels, {idle:.1f} ms idle, "
-              f"{span:.1f} ms span", flush=True)
+        print(f"== {variant}, Phase {args.profile} profiled: compute stream {kernels:.1f} ms of kernels, "
+              f"{idle:.1f} ms idle, {span:.1f} ms span", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows), flush=True)
 

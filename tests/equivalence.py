@@ -118,14 +118,16 @@ def assert_same_gradients(actual: dict, expected: dict, rtol: float = RTOL) -> N
         assert_rel_close(actual[name], expected[name], f"grad {name}", rtol)
 
 
-def train_side_by_side(model, groups: list[Group], plans: list, lr: float = 1e-3, rtol: float = RTOL) -> None:
-    """Optimizer steps on two copies (full sequence vs PrefixFlow): loss, every gradient, weights after each step.
+def train_side_by_side(model, groups: list[Group], plans: list, lr: float = 1e-3, rtol: float = RTOL,
+                       prepare=hf_prefixflow.apply_prefixflow) -> None:
+    """Optimizer steps on two copies (full sequence vs PrefixFlow, the copy made so by `prepare`): loss, every
+    gradient, weights after each step.
 
     SGD with momentum keeps updates linear in the gradients, so a relative gradient tolerance carries over to the
     weights; Adam's g / (sqrt(v) + eps) would turn harmless rounding in near-zero gradients into O(lr) noise.
     """
     reference, candidate = model, copy.deepcopy(model)
-    hf_prefixflow.apply_prefixflow(candidate)
+    prepare(candidate)
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=lr, momentum=0.9) for m in (reference, candidate)]
     for step, (group, plan) in enumerate(zip(groups, plans)):
