@@ -22,10 +22,10 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model(seed: int = 0, dtype=torch.float32, **overrides) -> Qwen3ForCausalLM:
-    config = Qwen3Config(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                         tie_word_embeddings=False, **overrides)
+    config = Qwen3Config(**{**dict(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                   tie_word_embeddings=False), **overrides})
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(dtype)
     with torch.no_grad():

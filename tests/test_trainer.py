@@ -272,3 +272,28 @@ def test_kv_grad_dtype_setting():
     assert pick(SimpleNamespace(prefixflow_kv_grad_dtype="bfloat16", _deepspeed=True)) == torch.bfloat16
     with pytest.raises(PrefixFlowError, match="prefixflow_kv_grad_dtype"):
         pick(SimpleNamespace(prefixflow_kv_grad_dtype="int8", _deepspeed=False))
+
+
+def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog):
+    """`torch_compile=True`: Accelerate would compile the whole model, which PrefixFlow's phases cannot run through;
+    each decoder layer is compiled in place instead (10 layers: past the recompile limit, were any layer its own
+    graph), generation runs eagerly, and training matches the stock trainer's (whole model compiled)."""
+    stances = []
+    frozen = setup.freeze_rollouts
+
+    def freeze(trainer, max_length, **kwargs):  # sampling frozen one level down, so the trainer's own override runs
+        frozen(trainer, max_length, **kwargs)
+        generate = trainer.__dict__.pop("_generate_single_turn")
+        monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda self, *args: (
+            stances.append((type(self), torch._dynamo.eval_frame._stance.stance)), generate(*args))[1])
+
+    monkeypatch.setattr(setup, "freeze_rollouts", freeze)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), caplog.at_level("INFO", logger=pf_grpo.__name__):
+        stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
+                         torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    assert_aligned(stock, pf)
+    assert "compiles each of the 10 decoder layers" in caplog.text
+    assert {stance for cls, stance in stances if cls is PrefixFlowGRPOTrainer} == {"force_eager"}
+    assert {stance for cls, stance in stances if cls is GRPOTrainer} == {"default"}

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, TorchDynamoPlugin
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
@@ -28,7 +28,7 @@ from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefix
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
 from hf_prefixflow.model import unwrap
-from hf_prefixflow.recompute import RECOMPUTE_SHARE
+from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 
 from . import routing, sequence_parallel
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
@@ -98,6 +98,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
+        for model in (self.model, self.ref_model) if self.args.torch_compile else ():
+            self._compile_layers(model)
         apply_prefixflow(self.model, offload=self.prefixflow_offload,
                          prefix_recompute=self.prefixflow_prefix_recompute,
                          suffix_checkpointing=self.prefixflow_suffix_checkpointing,
@@ -116,6 +118,25 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._split and moe.routers(unwrap(self.model)):
             raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
                                   "router logits are per rank); " + _WHOLE_GROUPS)
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        # torch_compile: Accelerate would wrap the whole model in one compiled module, which PrefixFlow's phases
+        # cannot run through; `_compile_layers` compiles each decoder layer in place instead.
+        options = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile:
+            options["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return options
+
+    def _compile_layers(self, model: torch.nn.Module | None) -> None:
+        layers = decoder_layers(model) if model is not None else []
+        if model is not None and not layers:
+            raise PrefixFlowError("torch_compile: PrefixFlow compiles a model's decoder layers (transformers' "
+                                  f"GradientCheckpointingLayer), and {type(model).__name__} has none.")
+        for layer in layers:
+            layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
+        if layers:
+            logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
+                        "model.", len(layers))
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
         name = self.prefixflow_kv_grad_dtype
@@ -175,6 +196,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     # -- MoE routing replay: record during generation, carry with the batch -----------------------------------
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # The compiled layers are for training: a generation cache read by layer index would make each layer a graph
+        # of its own and use up torch.compile's recompile limit (`_compile_layers`).
+        eager = torch.compiler.set_stance("force_eager") if self.args.torch_compile else contextlib.nullcontext()
+        with eager:
+            return self._generate_recording_routes(prompt_ids, images, multimodal_fields, num_generations,
+                                                   has_tool_images)
+
+    def _generate_recording_routes(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
         if not self._replay:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
