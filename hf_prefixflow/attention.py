@@ -8,7 +8,7 @@ checkpointing binds them, so a recompute sees the same marker):
   window, softcap or sinks runs `split_attention` (the cache read in place, merged by log-sum-exp); any other wave
   attends to `[cached prefix K/V ; suffix K/V]` under its visibility mask, in the form `X` takes (bottom-right
   causal bias, boolean or additive mask, or a flex BlockMask).
-Every call also hands this layer's MoE routes, if the forward carries any, to the router that runs next.
+In a layer with an MoE router, every call also hands the routes the forward carries (if any) to that router.
 """
 
 from __future__ import annotations
