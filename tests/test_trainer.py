@@ -297,3 +297,13 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
     assert "compiles each of the 10 decoder layers" in caplog.text
     assert {stance for cls, stance in stances if cls is PrefixFlowGRPOTrainer} == {"force_eager"}
     assert {stance for cls, stance in stances if cls is GRPOTrainer} == {"default"}
+
+
+@pytest.mark.parametrize("engine", ["_deepspeed", "_fsdp"])
+def test_torch_compile_under_deepspeed_or_fsdp_is_refused(engine):
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(_deepspeed=False, _fsdp=False, model=setup.make_model(), ref_model=None)
+    setattr(trainer, engine, True)
+    with pytest.raises(PrefixFlowError, match="torch_compile with DeepSpeed or FSDP"):
+        PrefixFlowGRPOTrainer._compile_layers(trainer)

@@ -98,8 +98,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
-        for model in (self.model, self.ref_model) if self.args.torch_compile else ():
-            self._compile_layers(model)
+        if self.args.torch_compile:
+            self._compile_layers()
         apply_prefixflow(self.model, offload=self.prefixflow_offload,
                          prefix_recompute=self.prefixflow_prefix_recompute,
                          suffix_checkpointing=self.prefixflow_suffix_checkpointing,
@@ -127,14 +127,17 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             options["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
         return options
 
-    def _compile_layers(self, model: torch.nn.Module | None) -> None:
-        layers = decoder_layers(model) if model is not None else []
-        if model is not None and not layers:
-            raise PrefixFlowError("torch_compile: PrefixFlow compiles a model's decoder layers (transformers' "
-                                  f"GradientCheckpointingLayer), and {type(model).__name__} has none.")
-        for layer in layers:
-            layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
-        if layers:
+    def _compile_layers(self) -> None:
+        if self._deepspeed or self._fsdp:
+            raise PrefixFlowError("torch_compile with DeepSpeed or FSDP is not supported by PrefixFlowGRPOTrainer "
+                                  "(untested with their hooks); turn torch_compile off, or train with DDP.")
+        for model in (m for m in (self.model, self.ref_model) if m is not None):
+            layers = decoder_layers(model)
+            if not layers:
+                raise PrefixFlowError("torch_compile: PrefixFlow compiles a model's decoder layers (transformers' "
+                                      f"GradientCheckpointingLayer), and {type(model).__name__} has none.")
+            for layer in layers:
+                layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
                         "model.", len(layers))
 
