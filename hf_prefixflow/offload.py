@@ -5,8 +5,7 @@ Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the pr
 (not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
 forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
 and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
-copying the next ones back, `PREFETCH_LAYERS` layers' worth ahead of need, and a tensor that is not back yet is
-loaded on demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so
+copying back the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so
 Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in
 that exercises the bookkeeping).
 
@@ -23,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
-# Prefetch this many decoder layers' worth of bytes ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
-# layer's backward. A fixed byte window instead held the whole stack of a short prefix on the device at once.
+# Prefetch the saves of this many decoder layers ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
+# layer's backward. Counted in layers, not in bytes: a fixed byte window held the whole stack of a short prefix on the
+# device at once, and an average layer's bytes fell short of one copied layer when the others are recomputed.
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
 class HostPool:
@@ -51,6 +51,7 @@ class Offloaded:
     """One saved tensor living on the host; `device_copy` is set once it is back (prefetched or loaded)."""
 
     index: int
+    layer: int  # attention layers the prefix forward had run when this was saved
     host: torch.Tensor  # uint8 bytes
     shape: torch.Size
     dtype: torch.dtype
@@ -87,16 +88,14 @@ def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 class PrefixOffload:
     """Saved-tensor hooks for one or more prefix forwards, released after their Phase C."""
 
-    def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None,
-                 layers: int = 1):
+    def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None):
         self.device = torch.device(device)
-        self.layers = max(layers, 1)  # decoder layers in the prefix forward: the prefetch window counts in them
         accelerator = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=accelerator)
         self.min_bytes = (MIN_BYTES_ON_ACCELERATOR if accelerator else 0) if min_bytes is None else min_bytes
         self.stream = torch.cuda.Stream(self.device) if accelerator else None
         self.entries: list[Offloaded] = []
-        self.caches: list = []  # training-time KV caches whose live tensors stay on the device
+        self.caches: list = []  # training-time KV caches: their live tensors stay; their layer count marks layers
         self.offloaded_bytes = 0
         self._saved: dict[tuple, tuple[weakref.ref, Offloaded]] = {}  # see `_identity`
 
@@ -129,7 +128,8 @@ class PrefixOffload:
             return seen[1]
         nbytes = tensor.numel() * tensor.element_size()
         host = self.pool.take(nbytes)
-        entry = Offloaded(len(self.entries), host, tensor.shape, tensor.dtype, tensor.device)
+        layer = sum(len(cache.layers) for cache in self.caches)
+        entry = Offloaded(len(self.entries), layer, host, tensor.shape, tensor.dtype, tensor.device)
         view = host.view(tensor.dtype).view(tensor.shape)
         if self.stream is None:
             view.copy_(tensor)
@@ -162,11 +162,12 @@ class PrefixOffload:
         return restored
 
     def _prefetch_before(self, index: int) -> None:
-        ahead, window = 0, min(PREFETCH_BYTES, PREFETCH_LAYERS * self.offloaded_bytes // self.layers)
+        """Start bringing back the saves of the `PREFETCH_LAYERS` layers before entry `index`'s."""
+        ahead, first_layer = 0, self.entries[index].layer - PREFETCH_LAYERS
         for i in range(index - 1, -1, -1):
-            if ahead >= window:
-                break
             entry = self.entries[i]
+            if entry.layer < first_layer or ahead >= PREFETCH_BYTES:
+                break
             if not entry.consumed:
                 self._prefetch(entry)
                 ahead += entry.host.numel()

@@ -28,7 +28,7 @@ from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
-from .recompute import RECOMPUTE_SHARE, AttentionReplay, decoder_layers, recomputed_layers
+from .recompute import RECOMPUTE_SHARE, AttentionReplay, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -153,7 +153,7 @@ class PrefixGroup:
         pool = getattr(self._inner, "_prefixflow_pool", None)
         if pool is None:
             pool = self._inner._prefixflow_pool = HostPool(pin=device.type == "cuda")
-        offload = PrefixOffload(device, pool, layers=len(decoder_layers(decoder_of(self._inner))))
+        offload = PrefixOffload(device, pool)
         offload.caches.append(self.cache)
         return offload
 

@@ -244,9 +244,37 @@ def test_prefetch_runs_about_two_layers_ahead():
         prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
     offload = offloads[0]
     layer_bytes = offload.offloaded_bytes / 6
-    assert offload.layers == 6 and ahead and max(ahead) > 0
-    # the window, plus saves that autograd unpacks a little out of reverse order
-    assert max(ahead) <= (hf_prefixflow.offload.PREFETCH_LAYERS + 1) * layer_bytes < offload.offloaded_bytes
+    assert ahead and max(ahead) > 0
+    # the window, the rest of the current layer, and saves that autograd unpacks a little out of reverse order
+    assert max(ahead) <= (hf_prefixflow.offload.PREFETCH_LAYERS + 2) * layer_bytes < offload.offloaded_bytes
+
+
+def test_prefetch_window_counts_layers_when_only_some_are_copied():
+    """With some layers recomputed, a copied layer holds most of the bytes: every unpack must already have started
+    the next `PREFETCH_LAYERS` layers' copies (a window of average layer bytes fell short of one copied layer) and
+    nothing beyond them."""
+    gen = torch.Generator().manual_seed(7)
+    model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=8).train(), offload=True,
+                                           prefix_recompute=0.5)
+    group = random_group(gen, prefix=(20, 24), n=(2, 3))
+    offload_cls = hf_prefixflow.offload.PrefixOffload
+    unpack, checked = offload_cls.unpack, []
+    window = hf_prefixflow.offload.PREFETCH_LAYERS
+
+    def checking_unpack(self, packed):
+        out = unpack(self, packed)
+        if isinstance(packed, hf_prefixflow.offload.Offloaded):
+            reached = min(e.layer for e in self.entries if e.unpacked)
+            waiting = [e for e in self.entries[:packed.index] if not e.consumed]
+            assert all(e.device_copy is not None for e in waiting if e.layer >= packed.layer - window)
+            assert all(e.layer >= reached - window for e in waiting if e.device_copy is not None)
+            checked.append(packed.layer)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload_cls, "unpack", checking_unpack)
+        prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    assert len(set(checked)) >= 6
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
