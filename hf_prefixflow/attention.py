@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
@@ -28,7 +28,9 @@ from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish
-from .recompute import AttentionReplay
+
+if TYPE_CHECKING:
+    from .recompute import AttentionReplay
 
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")

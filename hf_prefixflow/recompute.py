@@ -7,20 +7,28 @@ forward is about a quarter of a layer's FLOPs, its output one hidden state per t
 `AttentionReplay` keeps each recomputed layer's attention output and log-sum-exp on the host beside the layer
 input, and the recompute replays them instead of running the kernel again; the backward runs the kernel's own
 backward on the recomputed q/k/v, equal to Phase A's.
+
+A torch.compile'd layer is not handed to `torch.utils.checkpoint`: torch runs a checkpointed region with a graph
+break (PrefixFlow's attention is one) uncompiled. `replay_layer` recomputes it instead, calling the compiled layer
+itself: without a graph in Phase A and with one in Phase C, its K/V outputs of its own autograd node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 
 import torch
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from . import split_attention
+from .attention import PASS_KWARG
 from .errors import PrefixFlowError
+from .kv_cache import TrainingKVCache
 
 # Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
 # benchmarks/results/memory*.md): copying every layer back cost 13-19% of step time, recomputing all 0.5-15.5% (runs
@@ -51,21 +59,33 @@ def _attention_indices(layer: torch.nn.Module) -> set[int]:
     return {m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)}
 
 
+def _compiled(layer: torch.nn.Module) -> bool:
+    return getattr(layer, "_compiled_call_impl", None) is not None
+
+
+def _hooked(layer: torch.nn.Module) -> bool:
+    """Module hooks (ZeRO-3, FSDP2) run around the layer's call, which `replay_layer` repeats."""
+    return bool(layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks)
+
+
 @contextlib.contextmanager
 def recomputed_layers(decoder: torch.nn.Module, share: float):
-    """Checkpoint `share` of `decoder`'s layers (non-reentrant) for the enclosed prefix forward; layers the user
-    already checkpoints stay as they are. Yields the attention `layer_idx` of every checkpointed layer."""
+    """Checkpoint `share` of `decoder`'s layers for the enclosed prefix forward: compiled ones through
+    `replay_layer`, the others with non-reentrant `torch.utils.checkpoint`; layers the user already checkpoints stay
+    as they are. Yields the attention `layer_idx` of every checkpointed layer."""
     layers = decoder_layers(decoder)
     switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
-    if any(getattr(layer, "_compiled_call_impl", None) is not None for layer in switched):
+    if any(_compiled(layer) and _hooked(layer) for layer in switched):
         warnings.warn(
             "torch.compile runs a checkpointed layer eagerly when it has a graph break, and PrefixFlow's attention is "
-            "one: the prefix layers recomputed in Phase C (prefix_recompute) run uncompiled in Phase A and C. "
-            "prefix_recompute=0 keeps them compiled, at the cost of Phase-B memory.", stacklevel=3)
+            "one: the prefix layers recomputed in Phase C (prefix_recompute) run uncompiled in Phase A and C, because "
+            "module hooks (ZeRO-3, FSDP) on them rule out PrefixFlow's own recompute. prefix_recompute=0 keeps them "
+            "compiled, at the cost of Phase-B memory.", stacklevel=3)
     previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for layer in switched:
-        layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, recompute
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = replay_layer if _compiled(layer) and not _hooked(layer) else recompute
     try:
         yield {i for layer in layers if layer.gradient_checkpointing and layer.training
                for i in _attention_indices(layer)}
@@ -76,6 +96,93 @@ def recomputed_layers(decoder: torch.nn.Module, share: float):
                 del layer._gradient_checkpointing_func
             else:
                 layer._gradient_checkpointing_func = func
+
+
+def _layer_of(function: functools.partial) -> torch.nn.Module:
+    """The layer of a transformers checkpoint call: `partial(forward, layer, **kwargs)` (5.24) or
+    `partial(nn.Module.__call__ bound to the layer, **kwargs)` (5.17)."""
+    return function.args[0] if function.args else function.func.__self__
+
+
+# The checkpoint function of every compiled layer: one object, since dynamo guards on it, and opaque to dynamo (a
+# graph break in the layer's compiled call), since it calls the compiled layer itself.
+@torch._dynamo.disable
+def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
+    """Run a compiled prefix layer under `_LayerReplay`: no graph kept in Phase A, recomputed in Phase C."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        raise PrefixFlowError("PrefixFlow's recompute of a compiled layer takes gradients through the hidden states "
+                              "only; this layer gets another positional input that requires grad.")
+    call = _LayerCall(_layer_of(function), args, function.keywords)
+    trainable = any(p.requires_grad for p in call.layer.parameters())
+    # An autograd node whose inputs need no gradient would give none: a layer after frozen embeddings still trains.
+    anchor = torch.empty(0, device=hidden.device, requires_grad=trainable)
+    flat = _LayerReplay.apply(call, anchor, hidden)
+    outputs, captured = flat[:len(flat) - call.captured_count], flat[len(flat) - call.captured_count:]
+    call.recapture(captured)
+    return tree_unflatten(list(outputs), call.spec)
+
+
+class _LayerCall:
+    """One compiled layer's prefix call: run it again, with its captures going to a scratch cache."""
+
+    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict):
+        self.layer, self.args, self.kwargs = layer, args, kwargs
+        self.cache: TrainingKVCache = kwargs[PASS_KWARG].cache  # the group's: receives the node's K/V outputs
+        self.spec = None  # the layer output's pytree structure
+        self.kv_layers: list[int] = []
+        self.router_layers: list[int] = []
+
+    @property
+    def captured_count(self) -> int:
+        return 2 * len(self.kv_layers) + len(self.router_layers)
+
+    def run(self, hidden: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
+        """The layer's compiled forward on `hidden`: its flat outputs, and the K/V (router logits) it captured."""
+        scratch = TrainingKVCache(self.cache.prefix_length, self.cache.grad_dtype)
+        kwargs = {**self.kwargs, PASS_KWARG: dataclasses.replace(self.kwargs[PASS_KWARG], cache=scratch)}
+        switched, self.layer.gradient_checkpointing = self.layer.gradient_checkpointing, False  # a plain call
+        try:
+            flat, self.spec = tree_flatten(self.layer(hidden, *self.args, **kwargs))
+        finally:
+            self.layer.gradient_checkpointing = switched  # on in Phase A, off again by Phase C
+        self.kv_layers, self.router_layers = sorted(scratch.layers), sorted(scratch.router_logits)
+        captured = [t.live for i in self.kv_layers for t in (scratch.layers[i].key, scratch.layers[i].value)]
+        captured += [scratch.router_logits[i].live for i in self.router_layers]
+        scratch.free()
+        return flat, captured
+
+    def recapture(self, captured: tuple[torch.Tensor, ...]) -> None:
+        """Hand the group's cache the node's outputs: their gradients enter Phase C through the node."""
+        kv, router = captured[:2 * len(self.kv_layers)], captured[2 * len(self.kv_layers):]
+        for i, layer_idx in enumerate(self.kv_layers):
+            self.cache.capture(layer_idx, kv[2 * i], kv[2 * i + 1])
+        for layer_idx, logits in zip(self.router_layers, router):
+            self.cache.capture_router(layer_idx, logits)
+
+
+class _LayerReplay(torch.autograd.Function):
+    """A compiled layer as one autograd node: forward without a graph, backward recomputes it (attention replayed)
+    and runs the recomputed graph's backward, the way reentrant checkpointing does, K/V outputs included."""
+
+    @staticmethod
+    def forward(ctx, call: _LayerCall, anchor: torch.Tensor, hidden: torch.Tensor):
+        flat, captured = call.run(hidden)
+        ctx.call = call
+        ctx.save_for_backward(hidden)  # through the offload's hooks: the layer input waits on the host
+        ctx.set_materialize_grads(False)
+        return (*flat, *captured)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (hidden,) = ctx.saved_tensors
+        hidden = hidden.detach().requires_grad_(ctx.needs_input_grad[2])
+        with torch.enable_grad():
+            flat, captured = ctx.call.run(hidden)
+        pairs = [(out, grad) for out, grad in zip([*flat, *captured], grads)
+                 if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        return None, None, hidden.grad
 
 
 class AttentionReplay:
