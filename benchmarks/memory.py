@@ -78,6 +78,7 @@ class Bench:
         self.started = time.monotonic()
         self.deadline = self.started + args.deadline_s
         self.trial_total = 0  # --tiny: the length the next step runs at, for the simulated out-of-memory
+        self.phase_ms: dict[str, float] = {}  # the last step's milliseconds per phase (CUDA only)
         self.host_bytes_per_token = 0.0  # offload: pinned bytes per cached prefix token, measured by the steps
         if args.tiny:
             self.model.model.layers[0].register_forward_pre_hook(self._simulated_oom)
@@ -117,17 +118,25 @@ def build_tiny() -> torch.nn.Module:
 # -- steps and measurement -----------------------------------------------------------------------------------
 
 class PhasePeaks:
-    """Peak allocated GiB per phase: each mark records the peak since the previous mark. CPU: no statistics (0)."""
+    """Peak allocated GiB per phase: each mark records the peak since the previous mark, and a CUDA event for the
+    phase's time. CPU: no statistics (0)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.gib: dict[str, float] = {}
+        self.events: list[tuple[str | None, torch.cuda.Event]] = []
 
     def mark(self, phase: str | None) -> None:
         if phase is not None:
             self.gib[phase] = torch.cuda.max_memory_allocated() / GIB if self.cuda else 0.0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            self.events.append((phase, torch.cuda.Event(enable_timing=True)))
+            self.events[-1][1].record()
+
+    def ms(self) -> dict[str, float]:
+        """Milliseconds per phase, once the device has run past the last mark."""
+        return {phase: start.elapsed_time(end) for (_, start), (phase, end) in zip(self.events, self.events[1:])}
 
 
 def baseline_step(model, prompt, suffixes, wave: int, mark: Callable[[str | None], None]) -> None:
@@ -163,6 +172,7 @@ def run_step(bench: Bench, mode: str, prompt, suffixes, wave: int) -> tuple[floa
     (baseline_step if mode == "baseline" else prefixflow_step)(model, prompt, suffixes, wave, peaks.mark)
     bench.sync()
     seconds = time.perf_counter() - start
+    bench.phase_ms = peaks.ms()
     if mode == "offload":
         cached = len(prompt) - 1
         bench.host_bytes_per_token = max(bench.host_bytes_per_token, host_pool_bytes(bench) / cached)
@@ -227,16 +237,20 @@ def fixed_total(bench: Bench) -> list[dict]:
                 run_step(bench, mode, prompt, suffixes, args.wave)
         baseline_warm = True
         steps: dict[str, list] = {mode: [] for mode in MODES}
+        phases: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for _ in range(repeats):  # interleaved, so that a drift in the machine's speed meets every mode alike
             for mode in MODES:
                 steps[mode].append(run_step(bench, mode, prompt, suffixes, args.wave))
+                phases[mode].append(bench.phase_ms)
         measured = {mode: (statistics.median(s for s, _ in runs), runs[-1][1]) for mode, runs in steps.items()}
         # Each repeat's offload step against the PrefixFlow step next to it, the median of those ratios.
         paired_cost = statistics.median(on / off - 1 for (on, _), (off, _) in zip(steps["offload"],
                                                                                   steps["prefixflow"]))
         for mode in MODES:
+            medians = {p: round(statistics.median(r[p] for r in phases[mode]), 1) for p in phases[mode][0]}
             bench.log(f"{split} N={args.n} {mode}: {measured[mode][0]:.3f} s (rounds: "
-                      f"{', '.join(f'{s:.3f}' for s, _ in steps[mode])}), peaks {measured[mode][1]}")
+                      f"{', '.join(f'{s:.3f}' for s, _ in steps[mode])}), peaks {measured[mode][1]}, "
+                      f"median ms per phase {medians}")
         base_s, base_peaks = measured["baseline"]
         for mode in ("prefixflow", "offload"):
             seconds, peaks = measured[mode]

@@ -7,9 +7,9 @@ Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpo
 Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
 group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phases are
 timed by events on the compute stream without synchronising between waves (as a training step runs); median of
-`--repeats` groups after two warm-up groups, the variants interleaved round by round; Phase B's peak allocated
-memory from one more group. `--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel
-time, and the time the compute stream had no kernel running.
+`--repeats` groups after two warm-up groups, the variants interleaved round by round (and each group's time against
+the first variant's in its round); Phase B's peak allocated memory from one more group. `--profile B` (or `C`) adds a
+profile of that phase alone per variant: its kernel time, and the time the compute stream had no kernel running.
 """
 
 from __future__ import annotations
@@ -119,8 +119,10 @@ def main() -> None:
     for variant in variants:
         a, b, c = (statistics.median(t[i] for t in times[variant]) for i in range(3))
         peak = group(model, prompt, suffixes, variant, watch=contextlib.nullcontext())[3]
+        paired = [sum(t[:3]) / sum(r[:3]) - 1 for t, r in zip(times[variant], times[variants[0]])]
         print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
-              f"Phase-B peak {peak:.2f} GiB", flush=True)
+              f"Phase-B peak {peak:.2f} GiB; against {variants[0]}, median of the per-round group ratios "
+              f"{statistics.median(paired):+.1%}", flush=True)
     for variant in variants if args.profile else []:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
         group(model, prompt, suffixes, variant, watch=prof, phase=args.profile)

@@ -28,7 +28,7 @@ def compiled(offload: bool):
     return prepare
 
 
-@pytest.mark.parametrize("family,offload", [("llama", False), ("qwen3", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("family,offload", [("llama", False), ("qwen3", True), ("qwen3_moe", True)])
 def test_compiled_layers_train_like_the_full_sequence(family, offload, fresh_dynamo, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     groups = [random_group(gen, prefix=(8, 16), suffix=(3, 6), n=(3, 4)) for _ in range(2)]  # the 2nd reuses graphs
