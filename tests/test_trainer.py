@@ -292,9 +292,10 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), caplog.at_level("INFO", logger=pf_grpo.__name__):
         stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
                          torch_compile=True, torch_compile_backend="aot_eager")
+        assert torch._dynamo.config.recompile_limit == pf_grpo.RECOMPILE_LIMIT  # undone as the patch exits
     torch._dynamo.reset()
     assert_aligned(stock, pf)
-    assert "compiles each of the 10 decoder layers" in caplog.text
+    assert "compiles each of the 10 decoder layers" in caplog.text and "raises torch._dynamo" in caplog.text
     assert {stance for cls, stance in stances if cls is PrefixFlowGRPOTrainer} == {"force_eager"}
     assert {stance for cls, stance in stances if cls is GRPOTrainer} == {"default"}
 

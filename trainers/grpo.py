@@ -34,6 +34,12 @@ from . import routing, sequence_parallel
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
 
 logger = logging.getLogger(__name__)
+# Compiled variants of one code object that PrefixFlow's phases can need: Phase A, the waves and Phase C's recompute
+# (with and without a graph), each with layer inputs that need a gradient and, with frozen embeddings (LoRA), one
+# that does not; transformers' `deprecate_kwarg` wrapper shares its code object between a decoder layer's forward
+# and its attention's. A frozen-embedding model used 9 without offload and 12 with it (CPU, aot_eager); past
+# torch's default of 8, dynamo runs the remaining calls eagerly without a word.
+RECOMPILE_LIMIT = 16
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -140,6 +146,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
                         "model.", len(layers))
+        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+            logger.info("PrefixFlow: torch_compile raises torch._dynamo.config.recompile_limit from %d to %d (the "
+                        "phases' variants of a layer's graph).", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
         name = self.prefixflow_kv_grad_dtype
