@@ -5,9 +5,10 @@ Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the pr
 (not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
 forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
 and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
-copying back the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand, so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so
-Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in
-that exercises the bookkeeping).
+copying back the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand,
+so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C holds only
+what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that exercises the
+bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
 than its backward takes to run. By default Phase A therefore checkpoints the prefix layers (`hf_prefixflow.recompute`):
