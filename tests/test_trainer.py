@@ -274,10 +274,10 @@ def test_kv_grad_dtype_setting():
         pick(SimpleNamespace(prefixflow_kv_grad_dtype="int8", _deepspeed=False))
 
 
-def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog):
+def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog, recwarn):
     """`torch_compile=True`: Accelerate would compile the whole model, which PrefixFlow's phases cannot run through;
     each decoder layer is compiled in place instead (10 layers: past the recompile limit, were any layer its own
-    graph), generation runs eagerly, and training matches the stock trainer's (whole model compiled)."""
+    graph), generation runs eagerly, and training with offload matches the stock trainer's (whole model compiled)."""
     stances = []
     frozen = setup.freeze_rollouts
 
@@ -291,11 +291,13 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), caplog.at_level("INFO", logger=pf_grpo.__name__):
         stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
-                         torch_compile=True, torch_compile_backend="aot_eager")
+                         torch_compile=True, torch_compile_backend="aot_eager", config_cls=PrefixFlowGRPOConfig,
+                         prefixflow_offload=True)  # the prefix layers then recomputed by PrefixFlow, compiled
         assert torch._dynamo.config.recompile_limit == pf_grpo.RECOMPILE_LIMIT  # undone as the patch exits
     torch._dynamo.reset()
     assert_aligned(stock, pf)
     assert "compiles each of the 10 decoder layers" in caplog.text and "raises torch._dynamo" in caplog.text
+    assert not [w for w in recwarn if "run uncompiled" in str(w.message)]  # no layer fell back to the checkpoint
     assert {stance for cls, stance in stances if cls is PrefixFlowGRPOTrainer} == {"force_eager"}
     assert {stance for cls, stance in stances if cls is GRPOTrainer} == {"default"}
 
