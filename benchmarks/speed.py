@@ -41,6 +41,7 @@ def build(name: str, prefixflow: bool = True, compile: bool = False, lora: bool 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if compile:  # per decoder layer, in place: baseline, Phase A and Phase B all run the compiled layers
         torch._dynamo.config.fail_on_recompile_limit_hit = True  # past the limit dynamo would run layers eagerly
+        torch._dynamo.config.recompile_limit = hf_prefixflow.attention.RECOMPILE_LIMIT  # as the trainer sets it
         for layer in model.model.layers:
             layer.compile()
     if lora:

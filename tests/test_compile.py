@@ -5,10 +5,10 @@ import torch
 
 import hf_prefixflow
 from equivalence import random_group, train_side_by_side
+from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.model import decoder_of
 from hf_prefixflow.recompute import decoder_layers
 from models import build
-from trainers.grpo import RECOMPILE_LIMIT
 
 LAYERS = 10  # more than torch.compile's recompile limit (8): a graph per layer would send layers back to eager
 
@@ -39,7 +39,7 @@ def test_compiled_layers_train_like_the_full_sequence(family, offload, frozen_em
     plans = [[("padded", list(range(len(group.suffixes))))] for group in groups]
     model = build(family, num_hidden_layers=LAYERS).train()
     # Frozen embeddings: the first layer's input needs no gradient, but its weights do (as with PEFT adapters); more
-    # variants of one graph than torch's default limit (see `trainers.grpo.RECOMPILE_LIMIT`, which the trainer sets).
+    # variants of one graph than torch's default limit (see `attention.RECOMPILE_LIMIT`, which the trainer sets).
     model.get_input_embeddings().weight.requires_grad_(not frozen_embeddings)
     limit = RECOMPILE_LIMIT if frozen_embeddings else torch._dynamo.config.recompile_limit
     eager_runs = _count_eager_runs(monkeypatch, model)

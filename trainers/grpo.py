@@ -27,6 +27,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
+from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.model import unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 
@@ -34,12 +35,6 @@ from . import routing, sequence_parallel
 from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
 
 logger = logging.getLogger(__name__)
-# Compiled variants of one code object that PrefixFlow's phases can need: Phase A, the waves and Phase C's recompute
-# (with and without a graph), each with layer inputs that need a gradient and, with frozen embeddings (LoRA), one
-# that does not; transformers' `deprecate_kwarg` wrapper shares its code object between a decoder layer's forward
-# and its attention's. A frozen-embedding model used 9 without offload and 12 with it (CPU, aot_eager); past
-# torch's default of 8, dynamo runs the remaining calls eagerly without a word.
-RECOMPILE_LIMIT = 16
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
