@@ -3,13 +3,15 @@
     python benchmarks/offload_phases.py --model qwen3-1.7b --n 4
 
 Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpointed on the device, no offload),
-`offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits for
-Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
-group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phases are
-timed by events on the compute stream without synchronising between waves (as a training step runs); median of
-`--repeats` groups after two warm-up groups, the variants interleaved round by round (and each group's time against
-the first variant's in its round); Phase B's peak allocated memory from one more group. `--profile B` (or `C`) adds a
-profile of that phase alone per variant: its kernel time, and the time the compute stream had no kernel running.
+`offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits
+for Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
+group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phase B runs the
+suffixes in waves of `--wave` (at one suffix a wave, Phase B is host-bound: its time then follows the host's speed
+more than the GPU's). Phases are timed by events on the compute stream without synchronising between waves (as a
+training step runs); median of `--repeats` groups after two warm-up groups, the variants interleaved round by round
+(and each group's time against the first variant's in its round); Phase B's peak allocated memory from one more
+group. `--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel time, and the time the
+compute stream had no kernel running.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def settings(variant: str) -> tuple[bool, float, bool, bool]:
     return offload, float(share) if share else recompute, drain, nogc
 
 
-def group(model, prompt, suffixes, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
+def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
     """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `watch` is given: a context (a
     profiler, or a null context) entered around `phase` ("B" or "C"), the host then waiting for the device around
     that phase."""
@@ -57,14 +59,14 @@ def group(model, prompt, suffixes, variant: str, watch=None, phase: str = "B") -
     try:
         scope = hf_prefixflow.prefix_group(model, prompt)
         start = event()
-        waves = scope.__enter__()
+        opened = scope.__enter__()
         if drain or watch is not None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         after_a = event()
         with watched("B"):
-            for suffix in suffixes:
-                suffix_loss(waves(suffix[None]).logits, suffix[None]).backward()
+            for batch in waves:
+                suffix_loss(opened(batch).logits, batch).backward()
             after_b = event()
             if watch is not None:
                 torch.cuda.synchronize()
@@ -98,6 +100,7 @@ def compute_stream_profile(prof) -> tuple[float, float, float]:
 def main() -> None:
     parser = group_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--wave", type=int, default=1, help="suffixes per wave")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (offload:S for a recompute share S)")
@@ -109,23 +112,24 @@ def main() -> None:
 
     model = build(args.model, compile=args.compile)
     prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
+    waves = [torch.stack(suffixes[i : i + args.wave]) for i in range(0, args.n, args.wave)]
     for variant in variants:
         for _ in range(2):
-            group(model, prompt, suffixes, variant)
+            group(model, prompt, waves, variant)
     times = {v: [] for v in variants}
     for _ in range(args.repeats):
         for variant in variants:
-            times[variant].append(group(model, prompt, suffixes, variant))
+            times[variant].append(group(model, prompt, waves, variant))
     for variant in variants:
         a, b, c = (statistics.median(t[i] for t in times[variant]) for i in range(3))
-        peak = group(model, prompt, suffixes, variant, watch=contextlib.nullcontext())[3]
+        peak = group(model, prompt, waves, variant, watch=contextlib.nullcontext())[3]
         paired = [sum(t[:3]) / sum(r[:3]) - 1 for t, r in zip(times[variant], times[variants[0]])]
         print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
               f"Phase-B peak {peak:.2f} GiB; against {variants[0]}, median of the per-round group ratios "
               f"{statistics.median(paired):+.1%}", flush=True)
     for variant in variants if args.profile else []:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
-        group(model, prompt, suffixes, variant, watch=prof, phase=args.profile)
+        group(model, prompt, waves, variant, watch=prof, phase=args.profile)
         kernels, idle, span = compute_stream_profile(prof)
         print(f"== {variant}, Phase {args.profile} profiled: compute stream {kernels:.1f} ms of kernels, "
               f"{idle:.1f} ms idle, {span:.1f} ms span", flush=True)

@@ -85,11 +85,13 @@ def prefixflow_group(model, prompt, suffixes, wave: int) -> None:
             suffix_loss(group(batch).logits, batch).backward()
 
 
-def timed(fn, repeats: int) -> tuple[float, float, int]:
-    """Median seconds over `repeats` runs after one warm-up, the peak allocated GiB, and how often the allocator
-    had to free its cache and retry (each retry synchronises the device: a run near the memory limit pays for it)."""
+def timed(fn, repeats: int, warm_up) -> tuple[float, float, int]:
+    """Median seconds of `fn` over `repeats` runs after one `warm_up()`, the peak allocated GiB, and how often the
+    allocator had to free its cache and retry (each retry synchronises the device: a run near the memory limit pays
+    for it)."""
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    seconds = median_seconds(fn, repeats, warmup=1, after_warmup=torch.cuda.reset_peak_memory_stats)
+    warm_up()
+    seconds = median_seconds(fn, repeats, warmup=0, after_warmup=torch.cuda.reset_peak_memory_stats)
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     return seconds, torch.cuda.max_memory_allocated() / 2**30, retries
 
@@ -98,8 +100,11 @@ def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload + (
-        f" --prefix-recompute {args.prefix_recompute}" if args.prefix_recompute is not None else "")
+    flags = f" --repeats {args.repeats}" + " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload
+    if args.warmup_rows:
+        flags += f" --warmup-rows {args.warmup_rows}"
+    if args.prefix_recompute is not None:
+        flags += f" --prefix-recompute {args.prefix_recompute}"
     lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
              f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
@@ -119,6 +124,9 @@ def main() -> None:
     parser.add_argument("--n", default="4,16")
     parser.add_argument("--wave", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-rows", type=int, default=None,
+                        help="warm up on the first this many suffixes instead of the whole group (saves minutes at large "
+                             "N; the timed groups are whole)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer instead of full gradients")
     parser.add_argument("--offload", action="store_true",
@@ -141,8 +149,11 @@ def main() -> None:
             gen = torch.Generator(device="cuda").manual_seed(0)
             prompt = torch.randint(0, vocab, (prefix,), device="cuda", generator=gen)
             suffixes = list(torch.randint(0, vocab, (n, suffix), device="cuda", generator=gen))
-            base_s, base_gib, base_retries = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats)
-            pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats)
+            warm = suffixes[:args.warmup_rows] if args.warmup_rows else suffixes  # every row has the same shapes
+            base_s, base_gib, base_retries = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats,
+                                                   lambda: baseline_group(model, prompt, warm))
+            pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats,
+                                             lambda: prefixflow_group(model, prompt, warm, args.wave))
             model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
             row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n,
@@ -152,7 +163,7 @@ def main() -> None:
                    "share_of_bound": round(base_s / pf_s / bound, 3),
                    "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
                    "baseline_alloc_retries": base_retries, "prefixflow_alloc_retries": pf_retries,
-                   "repeats": args.repeats, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "repeats": args.repeats, "warmup_rows": args.warmup_rows, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "transformers": transformers.__version__, "date": datetime.date.today().isoformat()}
             rows.append(row)
             print(json.dumps(row), flush=True)
