@@ -108,9 +108,9 @@ def write(rows: list[dict], args) -> None:
     lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
              f"{flags}`"
              f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
-             "", "| P / S | N | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / PF "
-             "| allocator retries base / PF |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
+             "", "| P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / "
+             "PF | allocator retries base / PF |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['wave']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
               f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | {r['baseline_peak_gib']:.1f} / "
               f"{r['prefixflow_peak_gib']:.1f} | {r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |"
               for r in rows]
@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     parser.add_argument("--splits", default="10240/2048,2048/10240")
     parser.add_argument("--n", default="4,16")
-    parser.add_argument("--wave", type=int, default=1)
+    parser.add_argument("--wave", default="1", help="suffixes per Phase-B wave; a comma-separated list measures each "
+                                                     "against one baseline measurement")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-rows", type=int, default=None,
                         help="warm up on the first this many suffixes instead of the whole group (saves minutes at large "
@@ -152,23 +153,23 @@ def main() -> None:
             warm = suffixes[:args.warmup_rows] if args.warmup_rows else suffixes  # every row has the same shapes
             base_s, base_gib, base_retries = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats,
                                                    lambda: baseline_group(model, prompt, warm))
-            pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, args.wave), args.repeats,
-                                             lambda: prefixflow_group(model, prompt, warm, args.wave))
-            model.zero_grad(set_to_none=True)
             bound = shape.bound(prefix, [suffix] * n)
-            row = {"model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix, "N": n,
-                   "wave": args.wave, "offload": args.offload, "prefix_recompute": args.prefix_recompute,
-                   "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4),
-                   "speedup": round(base_s / pf_s, 3), "flop_bound": round(bound, 3),
-                   "share_of_bound": round(base_s / pf_s / bound, 3),
-                   "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
-                   "baseline_alloc_retries": base_retries, "prefixflow_alloc_retries": pf_retries,
-                   "repeats": args.repeats, "warmup_rows": args.warmup_rows, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "transformers": transformers.__version__, "date": datetime.date.today().isoformat()}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            write(rows, args)  # after every row, so a run cut short keeps what it measured
-
+            for wave in map(int, args.wave.split(",")):  # against the one baseline measurement above
+                pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, wave), args.repeats,
+                                                 lambda: prefixflow_group(model, prompt, warm, wave))
+                model.zero_grad(set_to_none=True)
+                rows.append({
+                    "model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix,
+                    "N": n, "wave": wave, "offload": args.offload, "prefix_recompute": args.prefix_recompute,
+                    "baseline_s": round(base_s, 4), "prefixflow_s": round(pf_s, 4), "speedup": round(base_s / pf_s, 3),
+                    "flop_bound": round(bound, 3), "share_of_bound": round(base_s / pf_s / bound, 3),
+                    "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
+                    "baseline_alloc_retries": base_retries, "prefixflow_alloc_retries": pf_retries,
+                    "repeats": args.repeats, "warmup_rows": args.warmup_rows, "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "date": datetime.date.today().isoformat()})
+                print(json.dumps(rows[-1]), flush=True)
+                write(rows, args)  # after every row, so a run cut short keeps what it measured
 
 if __name__ == "__main__":
     main()
