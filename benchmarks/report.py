@@ -5,7 +5,8 @@
 Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`.
 `with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.flops.MIN_SPEEDUP` says a
 group pays, else the plain path, which is the baseline (1.00x).
-The paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4) are drawn for reference.
+The plot has a row of panels per model and mode; the paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4)
+are drawn beside the 8B eager ones for reference.
 """
 
 from __future__ import annotations
@@ -40,41 +41,49 @@ def main() -> None:
     lines += [f"| {r['model']}{' +offload' * r.get('offload', False)} | {r['mode']} | {r['P']} / {r['S']} | "
               f"{r['N']} | {r.get('wave', 1)} | "
               f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
-              f"{r['speedup'] / r['flop_bound']:.1%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
+              f"{share(r):.1%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
     (out / "latest.json").write_text(json.dumps(ordered, indent=1))
     (out / "latest.md").write_text("\n".join(lines) + "\n")
     plot(ordered, out / "speedup_vs_n.png")
 
 
+def share(row: dict) -> float:
+    """Share of the FLOP bound, from the unrounded times where the row has it."""
+    return row.get("share_of_bound", row["speedup"] / row["flop_bound"])
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Speedup against N: a row of panels per model and mode, a panel per split, a line per wave (and offload)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    splits = sorted({(r["P"], r["S"]) for r in rows}, reverse=True)
-    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 3.6), squeeze=False)
-    for ax, (p, s) in zip(axes[0], splits):
-        for wave in sorted({r.get("wave", 1) for r in rows}):
-            points = sorted((r["N"], r["speedup"], r["flop_bound"]) for r in rows
-                            if (r["P"], r["S"]) == (p, s) and r.get("wave", 1) == wave)
-            if points:
-                ax.plot([n for n, _, _ in points], [x for _, x, _ in points], "o-", label=f"PrefixFlow, wave {wave}")
-        bound = sorted({(r["N"], r["flop_bound"]) for r in rows if (r["P"], r["S"]) == (p, s)})
-        ax.plot([n for n, _ in bound], [b for _, b in bound], "k--", label="FLOP bound")
-        if (p, s) == (10240, 2048):
-            ax.plot(list(PAPER_10K_2K), list(PAPER_10K_2K.values()), "s", color="gray",
-                    label="paper (Llama3-8B, H20)")
-        ax.axhline(1.0, color="red", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"P/S = {p}/{s}")
-        ax.set_xlabel("N")
-        ax.set_ylabel("speedup")
-        ax.legend(fontsize=7)
+    kinds = sorted({(r["model"], r["mode"]) for r in rows})
+    splits = {kind: sorted({(r["P"], r["S"]) for r in rows if (r["model"], r["mode"]) == kind}, reverse=True)
+              for kind in kinds}
+    columns = max(len(s) for s in splits.values())
+    fig, axes = plt.subplots(len(kinds), columns, figsize=(4.2 * columns, 3.2 * len(kinds)), squeeze=False)
+    for axes_row, kind in zip(axes, kinds):
+        for ax in axes_row[len(splits[kind]):]:
+            ax.set_visible(False)
+        for ax, split in zip(axes_row, splits[kind]):
+            mine = [r for r in rows if (r["model"], r["mode"], r["P"], r["S"]) == (*kind, *split)]
+            for line in sorted({(r.get("wave", 1), r.get("offload", False)) for r in mine}):
+                points = sorted((r["N"], r["speedup"]) for r in mine if (r.get("wave", 1), r.get("offload", False)) == line)
+                ax.plot(*zip(*points), "o-", label=f"wave {line[0]}" + " +offload" * line[1])
+            ax.plot(*zip(*sorted({(r["N"], r["flop_bound"]) for r in mine})), "kx--", label="FLOP bound")
+            if split == (10240, 2048) and kind == ("llama3-8b", "eager"):
+                ax.plot(list(PAPER_10K_2K), list(PAPER_10K_2K.values()), "s", color="gray", label="paper (H20)")
+            ax.axhline(1.0, color="red", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{kind[0]} {kind[1]}, P/S = {split[0]}/{split[1]}", fontsize=9)
+            ax.set_xlabel("N")
+            ax.set_ylabel("speedup")
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-
 
 if __name__ == "__main__":
     main()
