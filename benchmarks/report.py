@@ -70,7 +70,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         for ax, split in zip(axes_row, splits[kind]):
             mine = [r for r in rows if (r["model"], r["mode"], r["P"], r["S"]) == (*kind, *split)]
             for line in sorted({(r.get("wave", 1), r.get("offload", False)) for r in mine}):
-                points = sorted((r["N"], r["speedup"]) for r in mine if (r.get("wave", 1), r.get("offload", False)) == line)
+                points = sorted((r["N"], r["speedup"]) for r in mine
+                                if (r.get("wave", 1), r.get("offload", False)) == line)
                 ax.plot(*zip(*points), "o-", label=f"wave {line[0]}" + " +offload" * line[1])
             ax.plot(*zip(*sorted({(r["N"], r["flop_bound"]) for r in mine})), "kx--", label="FLOP bound")
             if split == (10240, 2048) and kind == ("llama3-8b", "eager"):

@@ -100,7 +100,8 @@ def write(rows: list[dict], args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = f" --repeats {args.repeats}" + " --compile" * args.compile + " --lora" * args.lora + " --offload" * args.offload
+    flags = f" --repeats {args.repeats}" + " --compile" * args.compile + " --lora" * args.lora
+    flags += " --offload" * args.offload
     if args.warmup_rows:
         flags += f" --warmup-rows {args.warmup_rows}"
     if args.prefix_recompute is not None:
