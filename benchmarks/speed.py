@@ -3,10 +3,11 @@
     python benchmarks/speed.py --model qwen3-1.7b --splits 10240/2048,2048/10240 --n 4,16 --out benchmarks/results
 
 The baseline trains each `[P || S_i]` as an ordinary sequence (one per microbatch, as TRL does with batch 1);
-PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes. Same model object, bf16 weights
-and gradients (full-parameter, no optimizer step), same loss on suffix tokens only, same attention kernels.
-Each row: warm-up, then the median of `--repeats` timed groups (CUDA events), peak allocated memory, and the FLOP
-bound from `hf_prefixflow.flops`.
+PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes (a list: one row per wave size, all
+against one baseline measurement). Same model object, bf16 weights and gradients (full-parameter, no optimizer
+step), same loss on suffix tokens only, same attention kernels. Each row: a warm-up group (its first
+`--warmup-rows` suffixes, or all), then the median of `--repeats` timed groups (CUDA events), peak allocated memory,
+and the FLOP bound from `hf_prefixflow.flops`.
 """
 
 from __future__ import annotations
