@@ -10,7 +10,9 @@ backward on the recomputed q/k/v, equal to Phase A's.
 
 A torch.compile'd layer is not handed to `torch.utils.checkpoint`: torch runs a checkpointed region with a graph
 break (PrefixFlow's attention is one) uncompiled. `replay_layer` recomputes it instead, calling the compiled layer
-itself: without a graph in Phase A and with one in Phase C, its K/V outputs of its own autograd node.
+itself: without a graph in Phase A and with one in Phase C, its K/V outputs of its own autograd node. Phase C's
+call leaves out the layer's last matrix multiply where its result only feeds the layer output, which the recompute
+discards (`DiscardedLinear`); `torch.utils.checkpoint` stops before it in the same way.
 """
 
 from __future__ import annotations
@@ -136,15 +138,21 @@ class _LayerCall:
     def captured_count(self) -> int:
         return 2 * len(self.kv_layers) + len(self.router_layers)
 
-    def run(self, hidden: torch.Tensor) -> tuple[list, list[torch.Tensor]]:
-        """The layer's compiled forward on `hidden`: its flat outputs, and the K/V (router logits) it captured."""
+    def run(self, hidden: torch.Tensor, recompute: bool = False) -> tuple[list, list[torch.Tensor]]:
+        """The layer's compiled forward on `hidden`: its flat outputs, and the K/V (router logits) it captured. A
+        `recompute`'s outputs only root a backward: their values are not computed where that can be skipped."""
         scratch = TrainingKVCache(self.cache.prefix_length, self.cache.grad_dtype)
         kwargs = {**self.kwargs, PASS_KWARG: dataclasses.replace(self.kwargs[PASS_KWARG], cache=scratch)}
         switched, self.layer.gradient_checkpointing = self.layer.gradient_checkpointing, False  # a plain call
+        last = discardable_projection(self.layer) if recompute else None
+        if last is not None:
+            last.__class__ = DiscardedLinear  # one class for every layer: one more graph variant, not one per layer
         try:
             flat, self.spec = tree_flatten(self.layer(hidden, *self.args, **kwargs))
         finally:
             self.layer.gradient_checkpointing = switched  # on in Phase A, off again by Phase C
+            if last is not None:
+                last.__class__ = torch.nn.Linear
         self.kv_layers, self.router_layers = sorted(scratch.layers), sorted(scratch.router_logits)
         captured = [t.live for i in self.kv_layers for t in (scratch.layers[i].key, scratch.layers[i].value)]
         captured += [scratch.router_logits[i].live for i in self.router_layers]
@@ -177,12 +185,54 @@ class _LayerReplay(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         hidden = hidden.detach().requires_grad_(ctx.needs_input_grad[2])
         with torch.enable_grad():
-            flat, captured = ctx.call.run(hidden)
+            flat, captured = ctx.call.run(hidden, recompute=True)
         pairs = [(out, grad) for out, grad in zip([*flat, *captured], grads)
                  if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         return None, None, hidden.grad
+
+
+# Decoder layers whose MLP output goes straight into the residual sum that is the layer's output, read by nothing
+# else (tests/test_compile.py trains each against the full-sequence path). Not Gemma2/3, which normalise it first.
+RESIDUAL_MLP_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen3DecoderLayer"})
+
+
+def discardable_projection(layer: torch.nn.Module) -> torch.nn.Linear | None:
+    """The MLP's down projection of a `RESIDUAL_MLP_LAYERS` layer (a plain `nn.Linear` without hooks), else None."""
+    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+    if type(layer).__name__ in RESIDUAL_MLP_LAYERS and type(down) is torch.nn.Linear and not _hooked(down):
+        return down
+    return None
+
+
+class DiscardedLinear(torch.nn.Linear):
+    """A layer's last projection while the layer is recomputed for its backward: its output is never read, so only
+    its backward runs (a third of the MLP's matrix multiplies). Inputs are cast as autocast casts a linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return _DiscardedProduct.apply(x.to(dtype), self.weight.to(dtype), bias)
+
+
+class _DiscardedProduct(torch.autograd.Function):
+    """`x @ weight.T + bias`, left uncomputed: forward allocates the output, backward is the linear's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
 class AttentionReplay:

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
 from equivalence import random_group, train_side_by_side
+from hf_prefixflow import recompute
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.model import decoder_of
 from hf_prefixflow.recompute import decoder_layers
@@ -22,6 +24,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def poisoned_discard(monkeypatch):
+    """The recompute's discarded projection returns NaN: a layer that read it would poison the gradients."""
+    forward = recompute._DiscardedProduct.forward
+
+    def poisoned(ctx, x, weight, bias):
+        return forward(ctx, x, weight, bias).fill_(float("nan"))
+
+    monkeypatch.setattr(recompute._DiscardedProduct, "forward", staticmethod(poisoned))
+
+
 def compiled(offload: bool):
     def prepare(model):
         for layer in decoder_layers(decoder_of(model)):
@@ -33,7 +46,8 @@ def compiled(offload: bool):
 
 @pytest.mark.parametrize("family,offload,frozen_embeddings", [("llama", False, False), ("qwen3", True, False),
                                                               ("qwen3_moe", True, False), ("llama", True, True)])
-def test_compiled_layers_train_like_the_full_sequence(family, offload, frozen_embeddings, fresh_dynamo, monkeypatch):
+def test_compiled_layers_train_like_the_full_sequence(family, offload, frozen_embeddings, fresh_dynamo, monkeypatch,
+                                                      poisoned_discard):
     gen = torch.Generator().manual_seed(3)
     groups = [random_group(gen, prefix=(8, 16), suffix=(3, 6), n=(3, 4)) for _ in range(2)]  # the 2nd reuses graphs
     plans = [[("padded", list(range(len(group.suffixes))))] for group in groups]
@@ -66,3 +80,58 @@ def _count_eager_runs(monkeypatch, reference) -> dict:
 
     monkeypatch.setattr(mlp_type, "forward", counting)
     return counts
+
+
+def test_compiled_recompute_leaves_out_the_last_projection(fresh_dynamo, monkeypatch):
+    """Phase C's recompute of a compiled Llama layer runs one matrix multiply fewer than the plain recompute: the MLP's
+    down projection, whose output only feeds the discarded layer output."""
+    gen = torch.Generator().manual_seed(5)
+    group = random_group(gen, prefix=(12, 12), suffix=(4, 4), n=(2, 2))
+    model = build("llama", num_hidden_layers=3).train()
+    compiled(offload=True)(model)
+
+    def phase_c_matmuls() -> int:
+        scope = hf_prefixflow.prefix_group(model, group.prefix)
+        scope.__enter__()(torch.stack(group.suffixes)).logits.sum().backward()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            scope.__exit__(None, None, None)  # Phase C
+        return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
+
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        leaner = [phase_c_matmuls() for _ in range(2)][-1]  # the first group also compiles
+        monkeypatch.setattr(recompute, "RESIDUAL_MLP_LAYERS", frozenset())
+        assert [phase_c_matmuls() for _ in range(2)][-1] - leaner == 3
+
+
+def test_a_layer_that_reads_its_mlp_output_is_not_discardable(fresh_dynamo, monkeypatch, poisoned_discard):
+    """Gemma2 normalises the MLP output before the residual sum: listed as discardable, its recompute would read the
+    (poisoned) discarded projection, and training must then differ from the full-sequence path."""
+    gen = torch.Generator().manual_seed(6)
+    groups = [random_group(gen, prefix=(8, 12), suffix=(3, 5), n=(2, 3))]
+    model = build("gemma2", num_hidden_layers=2).train()
+    monkeypatch.setattr(recompute, "RESIDUAL_MLP_LAYERS", frozenset({"Gemma2DecoderLayer"}))
+    with pytest.raises(AssertionError, match="nan"), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        train_side_by_side(model, groups, [[("padded", list(range(len(groups[0].suffixes))))]],
+                           prepare=compiled(offload=True))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_discarded_linear_has_the_linear_s_gradients(autocast):
+    """Everything but the output's values: its shape and dtype, and the gradients of input, weight and bias, also
+    under autocast with fp32 weights (the linear's inputs cast as autocast casts them)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    linear = torch.nn.Linear(8, 4)
+    results = []
+    for cls in (torch.nn.Linear, recompute.DiscardedLinear):
+        linear.__class__ = cls
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = linear(x)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out.dtype)
+        grads = torch.autograd.grad(out, [x, linear.weight, linear.bias], grad)
+        results.append((out.shape, out.dtype, grads))
+    (shape, dtype, expected), (shape_d, dtype_d, actual) = results
+    assert (shape_d, dtype_d) == (shape, dtype)
+    for got, want in zip(actual, expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
