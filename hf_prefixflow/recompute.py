@@ -114,7 +114,7 @@ def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         raise PrefixFlowError("PrefixFlow's recompute of a compiled layer takes gradients through the hidden states "
                               "only; this layer gets another positional input that requires grad.")
-    call = _LayerCall(_layer_of(function), args, function.keywords)
+    call = _LayerCall(_layer_of(function), args, function.keywords, hidden.device.type)
     trainable = any(p.requires_grad for p in call.layer.parameters())
     # An autograd node whose inputs need no gradient would give none: a layer after frozen embeddings still trains.
     anchor = torch.empty(0, device=hidden.device, requires_grad=trainable)
@@ -127,8 +127,12 @@ def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
 class _LayerCall:
     """One compiled layer's prefix call: run it again, with its captures going to a scratch cache."""
 
-    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict):
+    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict, device_type: str):
         self.layer, self.args, self.kwargs = layer, args, kwargs
+        # Phase A's autocast, which Phase C's recompute runs under again (as torch.utils.checkpoint does)
+        self.autocast = [dict(device_type=kind, enabled=torch.is_autocast_enabled(kind),
+                              dtype=torch.get_autocast_dtype(kind), cache_enabled=torch.is_autocast_cache_enabled())
+                         for kind in sorted({device_type, "cpu"})]
         self.cache: TrainingKVCache = kwargs[PASS_KWARG].cache  # the group's: receives the node's K/V outputs
         self.spec = None  # the layer output's pytree structure
         self.kv_layers: list[int] = []
@@ -145,10 +149,13 @@ class _LayerCall:
         kwargs = {**self.kwargs, PASS_KWARG: dataclasses.replace(self.kwargs[PASS_KWARG], cache=scratch)}
         switched, self.layer.gradient_checkpointing = self.layer.gradient_checkpointing, False  # a plain call
         last = discardable_projection(self.layer) if recompute else None
-        if last is not None:
-            last.__class__ = DiscardedLinear  # one class for every layer: one more graph variant, not one per layer
         try:
-            flat, self.spec = tree_flatten(self.layer(hidden, *self.args, **kwargs))
+            if last is not None:
+                last.__class__ = DiscardedLinear  # one class for every layer: one more graph variant, not one per layer
+            with contextlib.ExitStack() as stack:
+                for state in self.autocast:
+                    stack.enter_context(torch.autocast(**state))
+                flat, self.spec = tree_flatten(self.layer(hidden, *self.args, **kwargs))
         finally:
             self.layer.gradient_checkpointing = switched  # on in Phase A, off again by Phase C
             if last is not None:
@@ -195,13 +202,19 @@ class _LayerReplay(torch.autograd.Function):
 
 # Decoder layers whose MLP output goes straight into the residual sum that is the layer's output, read by nothing
 # else (tests/test_compile.py trains each against the full-sequence path). Not Gemma2/3, which normalise it first.
-RESIDUAL_MLP_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen3DecoderLayer"})
+RESIDUAL_MLP_LAYERS = frozenset({("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
+                                 ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer")})
 
 
 def discardable_projection(layer: torch.nn.Module) -> torch.nn.Linear | None:
-    """The MLP's down projection of a `RESIDUAL_MLP_LAYERS` layer (a plain `nn.Linear` without hooks), else None."""
-    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
-    if type(layer).__name__ in RESIDUAL_MLP_LAYERS and type(down) is torch.nn.Linear and not _hooked(down):
+    """The MLP's down projection of a `RESIDUAL_MLP_LAYERS` layer, else None: a plain `nn.Linear` with a plain weight,
+    no hooks that could read its output, and dynamo guarding on its class (it inlines modules, torch's default)."""
+    mlp = getattr(layer, "mlp", None)
+    down = getattr(mlp, "down_proj", None)
+    plain = type(down) is torch.nn.Linear and type(down.weight) is torch.nn.Parameter
+    if (plain and (type(layer).__module__, type(layer).__name__) in RESIDUAL_MLP_LAYERS and not _hooked(mlp)
+            and not _hooked(down) and not torch.nn.modules.module._global_forward_hooks
+            and getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", True)):
         return down
     return None
 
@@ -211,9 +224,17 @@ class DiscardedLinear(torch.nn.Linear):
     its backward runs (a third of the MLP's matrix multiplies). Inputs are cast as autocast casts a linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return _DiscardedProduct.apply(x.to(dtype), self.weight.to(dtype), bias)
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = _autocast(x, dtype), _autocast(weight, dtype)
+            bias = None if bias is None else _autocast(bias, dtype)
+        return _DiscardedProduct.apply(x, weight, bias)
+
+
+def _autocast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Autocast's cast of a linear's input: float64 stays float64."""
+    return tensor.to(dtype) if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else tensor
 
 
 class _DiscardedProduct(torch.autograd.Function):

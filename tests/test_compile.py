@@ -1,5 +1,7 @@
 """torch.compile'd decoder layers: one compiled graph serves every layer, and training equals the full-sequence path."""
 
+import copy
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -30,36 +32,40 @@ def poisoned_discard(monkeypatch):
     forward = recompute._DiscardedProduct.forward
 
     def poisoned(ctx, x, weight, bias):
-        return forward(ctx, x, weight, bias).fill_(float("nan"))
+        return torch.full_like(forward(ctx, x, weight, bias), float("nan"))
 
     monkeypatch.setattr(recompute._DiscardedProduct, "forward", staticmethod(poisoned))
 
 
-def compiled(offload: bool):
+def compiled(offload: bool, prefix_recompute: float | None = None):
     def prepare(model):
         for layer in decoder_layers(decoder_of(model)):
             layer.compile(backend="aot_eager")  # dynamo and autograd as inductor sees them, no C++ toolchain needed
-        hf_prefixflow.apply_prefixflow(model, offload=offload)
+        hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=prefix_recompute)
 
     return prepare
 
 
-@pytest.mark.parametrize("family,offload,frozen_embeddings", [("llama", False, False), ("qwen3", True, False),
-                                                              ("qwen3_moe", True, False), ("llama", True, True)])
-def test_compiled_layers_train_like_the_full_sequence(family, offload, frozen_embeddings, fresh_dynamo, monkeypatch,
-                                                      poisoned_discard):
+# offload: False, True or the share of prefix layers recomputed. qwen3 recomputes half: the others' Phase-A calls
+# then differ from a Phase-C recompute only in the discarded projection's class. Frozen embeddings (the first
+# layer's input needs no gradient, its weights do, as with PEFT adapters) and a recompute share below 1 need more
+# variants of one graph than torch's default limit (see `attention.RECOMPILE_LIMIT`, which the trainer sets).
+@pytest.mark.parametrize("family,offload,frozen_embeddings,raised_limit", [
+    ("llama", False, False, False), ("qwen3", 0.5, False, True), ("qwen3_moe", True, False, False),
+    ("llama", True, True, True)])
+def test_compiled_layers_train_like_the_full_sequence(family, offload, frozen_embeddings, raised_limit, fresh_dynamo,
+                                                      monkeypatch, poisoned_discard):
     gen = torch.Generator().manual_seed(3)
     groups = [random_group(gen, prefix=(8, 16), suffix=(3, 6), n=(3, 4)) for _ in range(2)]  # the 2nd reuses graphs
     plans = [[("padded", list(range(len(group.suffixes))))] for group in groups]
     model = build(family, num_hidden_layers=LAYERS).train()
-    # Frozen embeddings: the first layer's input needs no gradient, but its weights do (as with PEFT adapters); more
-    # variants of one graph than torch's default limit (see `attention.RECOMPILE_LIMIT`, which the trainer sets).
     model.get_input_embeddings().weight.requires_grad_(not frozen_embeddings)
-    limit = RECOMPILE_LIMIT if frozen_embeddings else torch._dynamo.config.recompile_limit
+    limit = RECOMPILE_LIMIT if raised_limit else torch._dynamo.config.recompile_limit
     eager_runs = _count_eager_runs(monkeypatch, model)
-    # With offload, every prefix layer is recomputed in Phase C: by PrefixFlow's own recompute, compiled like the rest.
+    # With offload, the recomputed prefix layers are PrefixFlow's own recompute, compiled like the rest.
+    share = offload if offload not in (False, True) else None
     with torch._dynamo.config.patch(recompile_limit=limit):
-        train_side_by_side(model, groups, plans, prepare=compiled(offload))
+        train_side_by_side(model, groups, plans, prepare=compiled(bool(offload), share))
     rows = sum(len(g.suffixes) for g in groups)
     assert eager_runs == {"reference": LAYERS * rows, "prefixflow": 0}  # the reference runs eagerly: the count works
 
@@ -109,7 +115,8 @@ def test_a_layer_that_reads_its_mlp_output_is_not_discardable(fresh_dynamo, monk
     gen = torch.Generator().manual_seed(6)
     groups = [random_group(gen, prefix=(8, 12), suffix=(3, 5), n=(2, 3))]
     model = build("gemma2", num_hidden_layers=2).train()
-    monkeypatch.setattr(recompute, "RESIDUAL_MLP_LAYERS", frozenset({"Gemma2DecoderLayer"}))
+    monkeypatch.setattr(recompute, "RESIDUAL_MLP_LAYERS",
+                        frozenset({("transformers.models.gemma2.modeling_gemma2", "Gemma2DecoderLayer")}))
     with pytest.raises(AssertionError, match="nan"), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         train_side_by_side(model, groups, [[("padded", list(range(len(groups[0].suffixes))))]],
                            prepare=compiled(offload=True))
@@ -135,3 +142,25 @@ def test_discarded_linear_has_the_linear_s_gradients(autocast):
     for got, want in zip(actual, expected):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiled_recompute_runs_under_phase_a_autocast(fresh_dynamo):
+    """fp32 weights under bf16 autocast, Phase C outside it (as the trainer runs it): the recompute runs under Phase
+    A's autocast again, so offload gives the gradients PrefixFlow gives without it (to bf16 rounding)."""
+    gen = torch.Generator().manual_seed(9)
+    group = random_group(gen, prefix=(10, 10), suffix=(4, 4), n=(2, 2))
+    model = build("llama", dtype=torch.float32, num_hidden_layers=2).train()
+
+    def gradients(offload: bool) -> dict:
+        candidate = copy.deepcopy(model)
+        compiled(offload)(candidate)
+        scope = hf_prefixflow.prefix_group(candidate, group.prefix)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = scope.__enter__()(torch.stack(group.suffixes)).logits  # Phase A and the wave
+        logits.float().square().mean().backward()
+        scope.__exit__(None, None, None)  # Phase C
+        return {name: p.grad for name, p in candidate.named_parameters()}
+
+    expected, actual = gradients(offload=False), gradients(offload=True)
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=2e-2, atol=1e-3, msg=name)
