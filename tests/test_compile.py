@@ -20,7 +20,7 @@ LAYERS = 10  # more than torch.compile's recompile limit (8): a graph per layer 
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
-    # Failing is the only visible sign: past the limit, dynamo silently runs the remaining calls eagerly.
+    # Past the limit dynamo logs one warning and runs the remaining calls eagerly; here that fails the test.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield
     torch._dynamo.reset()
