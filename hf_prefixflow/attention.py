@@ -40,8 +40,9 @@ SP_KWARG = "prefixflow_sp"  # a `distributed.ulysses.SequenceParallel`: this for
 # Compiled variants of one code object that PrefixFlow's phases can need: Phase A, the waves and Phase C's recompute
 # (with and without a graph), each with layer inputs that need a gradient and, with frozen embeddings (LoRA), one
 # that does not; transformers' `deprecate_kwarg` wrapper shares its code object between a decoder layer's forward
-# and its attention's. A frozen-embedding model used 9 without offload and 12 with it, offload recomputing half the
-# layers 9 (CPU, aot_eager); past torch's default of 8, dynamo logs one warning and runs the remaining calls eagerly.
+# and its attention's. A frozen-embedding model used 9 without offload and 12 with it; offload recomputing half the
+# layers used 9 (CPU, aot_eager). Past torch's default of 8, dynamo logs one warning and runs the remaining calls
+# eagerly.
 RECOMPILE_LIMIT = 16
 
 

@@ -162,5 +162,5 @@ def test_compiled_recompute_runs_under_phase_a_autocast(fresh_dynamo):
         return {name: p.grad for name, p in candidate.named_parameters()}
 
     expected, actual = gradients(offload=False), gradients(offload=True)
-    for name, grad in expected.items():
-        torch.testing.assert_close(actual[name], grad, rtol=2e-2, atol=1e-3, msg=name)
+    for name, grad in expected.items():  # the paper's bf16 tolerance, relative to the expected value
+        torch.testing.assert_close(actual[name], grad, rtol=1e-2, atol=1e-3, msg=name)

@@ -25,9 +25,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
+from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
-from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.model import unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 
