@@ -5,7 +5,8 @@
 Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpointed on the device, no offload),
 `offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits
 for Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
-group), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phase B runs the
+group), `offload-keepdown` (the same, the compiled recompute running the MLP's down projection that it leaves out
+by default), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phase B runs the
 suffixes in waves of `--wave` (at one suffix a wave, Phase B is host-bound: its time then follows the host's speed
 more than the GPU's). Phases are timed by events on the compute stream without synchronising between waves (as a
 training step runs); median of `--repeats` groups after two warm-up groups, the variants interleaved round by round
@@ -24,14 +25,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
+from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS
 from speed import build, group_parser, random_group, suffix_loss
 
-VARIANTS = {  # name: (offload, prefix_recompute, drain copies before Phase B, collector off)
-    "plain": (False, 0.0, False, False),
-    "recompute": (False, 1.0, False, False),
-    "offload": (True, 1.0, False, False),
-    "offload-drained": (True, 1.0, True, False),
-    "offload-nogc": (True, 1.0, False, True),
+VARIANTS = {  # name: (offload, prefix_recompute, drain copies before Phase B, collector off, keep down projection)
+    "plain": (False, 0.0, False, False, False),
+    "recompute": (False, 1.0, False, False, False),
+    "offload": (True, 1.0, False, False, False),
+    "offload-drained": (True, 1.0, True, False, False),
+    "offload-nogc": (True, 1.0, False, True, False),
+    "offload-keepdown": (True, 1.0, False, False, True),
 }
 
 
@@ -41,18 +44,20 @@ def event() -> torch.cuda.Event:
     return mark
 
 
-def settings(variant: str) -> tuple[bool, float, bool, bool]:
+def settings(variant: str) -> tuple[bool, float, bool, bool, bool]:
     name, _, share = variant.partition(":")
-    offload, recompute, drain, nogc = VARIANTS[name]
-    return offload, float(share) if share else recompute, drain, nogc
+    offload, recompute, drain, nogc, keepdown = VARIANTS[name]
+    return offload, float(share) if share else recompute, drain, nogc, keepdown
 
 
 def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
     """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `watch` is given: a context (a
     profiler, or a null context) entered around `phase` ("B" or "C"), the host then waiting for the device around
     that phase."""
-    offload, recompute, drain, nogc = settings(variant)
+    offload, recompute, drain, nogc, keepdown = settings(variant)
     hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=recompute)
+    # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out.
+    hf_prefixflow.recompute.RESIDUAL_MLP_LAYERS = frozenset() if keepdown else RESIDUAL_MLP_LAYERS
     watched = lambda name: watch if watch is not None and name == phase else contextlib.nullcontext()  # noqa: E731
     if nogc:
         gc.disable()

@@ -2,7 +2,8 @@
 
     python benchmarks/report.py benchmarks/results/speed_qwen3_1.7b.json benchmarks/results/speed_probe.json ...
 
-Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`.
+Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`
+(rows of a `latest.json` given as input keep theirs, so a new `latest` is the old one plus the new files).
 `with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.flops.MIN_SPEEDUP` says a
 group pays, else the plain path, which is the baseline (1.00x).
 The plot has a row of panels per model and mode; the paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4)
@@ -31,7 +32,7 @@ def main() -> None:
         for row in json.loads(pathlib.Path(name).read_text()):
             key = (row["model"], row["mode"], row["P"], row["S"], row["N"], row.get("wave", 1),
                    row.get("offload", False))
-            rows[key] = {**row, "source": pathlib.Path(name).name}
+            rows[key] = {**row, "source": row.get("source", pathlib.Path(name).name)}
     ordered = [rows[k] for k in sorted(rows)]
     out = pathlib.Path(args.out)
     for row in ordered:
