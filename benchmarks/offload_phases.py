@@ -111,11 +111,16 @@ def main() -> None:
                         help=f"comma-separated, from: {', '.join(VARIANTS)} (offload:S for a recompute share S)")
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="non-reentrant activation checkpointing in every variant (offload then moves the layer "
+                             "inputs that checkpointing keeps, recomputing nothing more)")
     parser.add_argument("--profile", choices=("B", "C"), help="also profile this phase of each variant")
     args = parser.parse_args()
     variants = args.variants.split(",")
 
     model = build(args.model, compile=args.compile)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
     waves = [torch.stack(suffixes[i : i + args.wave]) for i in range(0, args.n, args.wave)]
     for variant in variants:
