@@ -87,5 +87,6 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
+
 if __name__ == "__main__":
     main()

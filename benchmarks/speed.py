@@ -107,15 +107,17 @@ def write(rows: list[dict], args) -> None:
         flags += f" --warmup-rows {args.warmup_rows}"
     if args.prefix_recompute is not None:
         flags += f" --prefix-recompute {args.prefix_recompute}"
-    lines = [f"`python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} --wave {args.wave}"
-             f"{flags}`"
-             f" on {rows[0]['gpu']}, torch {rows[0]['torch']}, transformers {rows[0]['transformers']}, {rows[0]['date']}",
-             "", "| P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | peak GiB base / "
-             "PF | allocator retries base / PF |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['wave']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x"
-              f" | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | {r['baseline_peak_gib']:.1f} / "
-              f"{r['prefixflow_peak_gib']:.1f} | {r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |"
-              for r in rows]
+    first = rows[0]
+    command = (f"python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} "
+               f"--wave {args.wave}{flags}")
+    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, "
+             f"{first['date']}", "",
+             "| P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | "
+             "peak GiB base / PF | allocator retries base / PF |", "| --- " * 10 + "|"]
+    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['wave']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | "
+              f"{r['baseline_peak_gib']:.1f} / {r['prefixflow_peak_gib']:.1f} | "
+              f"{r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |" for r in rows]
     (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -128,8 +130,8 @@ def main() -> None:
                                                      "against one baseline measurement")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-rows", type=int, default=None,
-                        help="warm up on the first this many suffixes instead of the whole group (saves minutes at large "
-                             "N; the timed groups are whole)")
+                        help="warm up on the first this many suffixes instead of the whole group (saves minutes at "
+                             "large N; the timed groups are whole)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--lora", action="store_true", help="LoRA r=16 on every linear layer instead of full gradients")
     parser.add_argument("--offload", action="store_true",
@@ -172,6 +174,7 @@ def main() -> None:
                     "date": datetime.date.today().isoformat()})
                 print(json.dumps(rows[-1]), flush=True)
                 write(rows, args)  # after every row, so a run cut short keeps what it measured
+
 
 if __name__ == "__main__":
     main()
