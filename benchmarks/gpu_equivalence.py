@@ -14,7 +14,8 @@ of `split_attention` in bf16 against fp64 attention over the concatenated K/V, a
 as far from it as bf16 SDPA over the concatenated K/V (the baseline's kernel).
 `--bf16-weights` trains bf16 weights without autocast instead (gK/gV then sum in bf16, as `param.grad` does);
 `--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention);
-`--compile` compiles every decoder layer of both models.
+`--compile` compiles every decoder layer of both models; `--checkpointing` checkpoints every decoder layer of both
+(non-reentrant, TRL's default).
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ def run_case(name: str, layout: str, args) -> dict:
     kernels = sdpa_kernel(backends) if backends else contextlib.nullcontext()
     dtype = torch.bfloat16 if args.bf16_weights else torch.float32
     reference = build_model(attn, dtype)
-    candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(reference), offload=args.offload)
+    candidate = copy.deepcopy(reference)
+    for model in (reference, candidate) if args.checkpointing else ():
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    candidate = hf_prefixflow.apply_prefixflow(candidate, offload=args.offload)
     for layer in (layer for model in (reference, candidate) for layer in model.model.layers) if args.compile else ():
         layer.compile()
     groups = random_groups(args.steps, args.prefix, args.suffix, args.n, reference.config.vocab_size)
@@ -264,6 +268,8 @@ def main() -> None:
     parser.add_argument("--bf16-weights", action="store_true", help="bf16 weights, no autocast")
     parser.add_argument("--offload", action="store_true", help="PrefixFlow with prefix activation offload")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer, both sides")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="non-reentrant activation checkpointing on both sides (TRL's default)")
     parser.add_argument("--tag", default="gpu_equivalence", help="output file name")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false")
@@ -272,7 +278,8 @@ def main() -> None:
     DEVICE = args.device
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # with --compile: never a silently eager layer
 
-    env = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+    env = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     kernels = kernel_rows() if args.kernel_check and DEVICE == "cuda" else []
     rows = [{**control_row(args), **env}]
@@ -289,9 +296,10 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(rows + [{**r, **env} for r in kernels], indent=1))
-    lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, {env['date']})",
-             "", f"`python benchmarks/gpu_equivalence.py{' --bf16-weights' * args.bf16_weights}"
-             f"{' --offload' * args.offload}{' --compile' * args.compile}` — P={args.prefix}, "
+    flags = (f"{' --bf16-weights' * args.bf16_weights}{' --offload' * args.offload}{' --compile' * args.compile}"
+             f"{' --checkpointing' * args.checkpointing}")
+    lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, "
+             f"{env['date']})", "", f"`python benchmarks/gpu_equivalence.py{flags}` — P={args.prefix}, "
              f"suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
              f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.",
