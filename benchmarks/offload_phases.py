@@ -3,21 +3,24 @@
     python benchmarks/offload_phases.py --model qwen3-1.7b --n 4
 
 Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpointed on the device, no offload),
-`offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits
-for Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
-group), `offload-keepdown` (the same, the compiled recompute running the MLP's down projection that it leaves out
-by default), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phase B runs the
-suffixes in waves of `--wave` (at one suffix a wave, Phase B is host-bound: its time then follows the host's speed
-more than the GPU's). Phases are timed by events on the compute stream without synchronising between waves (as a
-training step runs); median of `--repeats` groups after two warm-up groups, the variants interleaved round by round
-(and each group's time against the first variant's in its round); Phase B's peak allocated memory from one more
-group. `--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel time, and the time the
-compute stream had no kernel running.
+`offload` (the default offload: recompute 1, attention and the MLP's gate and up projections replayed),
+`offload-drained` (the same, but the host waits for Phase A's copies to the host before Phase B starts),
+`offload-nogc` (the same, Python's collector off during the group), `offload-keepdown` (the same, the compiled
+recompute running the MLP's down projection that it leaves out by default), `offload-multiplymlp` (the same, the eager
+recompute multiplying the gate and up projections again instead of replaying them), `offload:S` (offload recomputing a
+share S of the prefix layers, copying the others back). Phase B runs the suffixes in waves of `--wave` (at one suffix
+a wave, Phase B is host-bound: its time then follows the host's speed more than the GPU's). Phases are timed by events
+on the compute stream without synchronising between waves (as a training step runs); median of `--repeats` groups
+after two warm-up groups, the variants interleaved round by round (and each group's time against the first variant's
+in its round); Phase B's peak allocated memory from one more group. `--profile B` (or `C`) adds a profile of that
+phase alone per variant: its kernel time, and the time the compute stream had no kernel running.
+`--compare-gradients V` checks that the variants train alike: each one's gradients against variant V's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
 
@@ -25,17 +28,29 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS
+from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS, replayed_projections
 from speed import build, group_parser, random_group, suffix_loss
 
-VARIANTS = {  # name: (offload, prefix_recompute, drain copies before Phase B, collector off, keep down projection)
-    "plain": (False, 0.0, False, False, False),
-    "recompute": (False, 1.0, False, False, False),
-    "offload": (True, 1.0, False, False, False),
-    "offload-drained": (True, 1.0, True, False, False),
-    "offload-nogc": (True, 1.0, False, True, False),
-    "offload-keepdown": (True, 1.0, False, False, True),
-}
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    offload: bool = False
+    recompute: float = 0.0  # prefix_recompute
+    drain: bool = False  # the host waits for Phase A's copies to the host before Phase B starts
+    nogc: bool = False  # Python's collector off during the group
+    keepdown: bool = False  # the compiled recompute runs the MLP's down projection
+    multiplymlp: bool = False  # the eager recompute multiplies the MLP's gate and up projections again
+
+
+OFFLOAD = Variant(offload=True, recompute=1.0)
+VARIANTS = {"plain": Variant(), "recompute": Variant(recompute=1.0), "offload": OFFLOAD,
+            "offload-drained": dataclasses.replace(OFFLOAD, drain=True),
+            "offload-nogc": dataclasses.replace(OFFLOAD, nogc=True),
+            "offload-keepdown": dataclasses.replace(OFFLOAD, keepdown=True),
+            "offload-multiplymlp": dataclasses.replace(OFFLOAD, multiplymlp=True)}
+
+
+def no_projections(decoder, layers) -> dict:
+    return {}
 
 
 def event() -> torch.cuda.Event:
@@ -44,28 +59,29 @@ def event() -> torch.cuda.Event:
     return mark
 
 
-def settings(variant: str) -> tuple[bool, float, bool, bool, bool]:
+def settings(variant: str) -> Variant:
     name, _, share = variant.partition(":")
-    offload, recompute, drain, nogc, keepdown = VARIANTS[name]
-    return offload, float(share) if share else recompute, drain, nogc, keepdown
+    return dataclasses.replace(VARIANTS[name], recompute=float(share)) if share else VARIANTS[name]
 
 
 def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
     """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `watch` is given: a context (a
     profiler, or a null context) entered around `phase` ("B" or "C"), the host then waiting for the device around
     that phase."""
-    offload, recompute, drain, nogc, keepdown = settings(variant)
-    hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=recompute)
-    # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out.
-    hf_prefixflow.recompute.RESIDUAL_MLP_LAYERS = frozenset() if keepdown else RESIDUAL_MLP_LAYERS
+    setting = settings(variant)
+    hf_prefixflow.apply_prefixflow(model, offload=setting.offload, prefix_recompute=setting.recompute)
+    # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out;
+    # no replayed projections make the eager recompute multiply them again, as before they were replayed.
+    hf_prefixflow.recompute.RESIDUAL_MLP_LAYERS = frozenset() if setting.keepdown else RESIDUAL_MLP_LAYERS
+    hf_prefixflow.scheduler.replayed_projections = no_projections if setting.multiplymlp else replayed_projections
     watched = lambda name: watch if watch is not None and name == phase else contextlib.nullcontext()  # noqa: E731
-    if nogc:
+    if setting.nogc:
         gc.disable()
     try:
         scope = hf_prefixflow.prefix_group(model, prompt)
         start = event()
         opened = scope.__enter__()
-        if drain or watch is not None:
+        if setting.drain or watch is not None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         after_a = event()
@@ -83,6 +99,13 @@ def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> t
     finally:
         gc.enable()
     return start.elapsed_time(after_a), after_a.elapsed_time(after_b), after_b.elapsed_time(end), peak
+
+
+def gradients_after(model, prompt, waves, variant: str) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient after one group of `variant` from zero gradients, on the host."""
+    model.zero_grad(set_to_none=True)
+    group(model, prompt, waves, variant)
+    return {name: p.grad.cpu() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def compute_stream_profile(prof) -> tuple[float, float, float]:
@@ -115,6 +138,9 @@ def main() -> None:
                         help="non-reentrant activation checkpointing in every variant (offload then moves the layer "
                              "inputs that checkpointing keeps, recomputing nothing more)")
     parser.add_argument("--profile", choices=("B", "C"), help="also profile this phase of each variant")
+    parser.add_argument("--compare-gradients", metavar="VARIANT",
+                        help="also train one group per variant from zero gradients and compare the others' "
+                             "gradients with this variant's (kept on the host)")
     args = parser.parse_args()
     variants = args.variants.split(",")
 
@@ -137,6 +163,17 @@ def main() -> None:
         print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
               f"Phase-B peak {peak:.2f} GiB; against {variants[0]}, median of the per-round group ratios "
               f"{statistics.median(paired):+.1%}", flush=True)
+    base = args.compare_gradients
+    reference = gradients_after(model, prompt, waves, base) if base else {}
+    for variant in [v for v in variants if v != base] if base else []:
+        actual = gradients_after(model, prompt, waves, variant)
+        equal = all(torch.equal(actual[name], grad) for name, grad in reference.items())
+        ratios = {name: ((actual[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-30)).item()
+                  for name, grad in reference.items()}
+        worst = max(ratios, key=ratios.get)
+        print(f"{variant}: gradients {'bitwise equal to' if equal else 'differ from'} {base}'s (max |difference| / "
+              f"max |gradient|: worst {ratios[worst]:.2e} in {worst}, median over parameters "
+              f"{statistics.median(ratios.values()):.2e})", flush=True)
     for variant in variants if args.profile else []:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
         group(model, prompt, waves, variant, watch=prof, phase=args.profile)

@@ -1,11 +1,11 @@
 """Suffix layouts: how a wave of suffixes is laid out (padded rows or one packed row) and which keys each query sees.
 
-A wave's model input for suffix `s` is `[p_last, s_0, ..., s_{L-2}]` at positions `P-1 ... P+L-2`, where
-`p_last` is the prefix's last token and the other `P' = P - 1` prefix tokens sit in the cache. Output position `t`
-then predicts `s_t`, exactly like position `P-1+t` of the full sequence `[P || s]`. Every layout reduces to two per-token arrays,
-`segment_ids` (-1 marks padding) and absolute `position_ids`, from which one predicate decides visibility:
-a query sees every cached prefix key and, causally, the real keys of its own segment, all within the layer's
-sliding window if it has one.
+A wave's model input for suffix `s` is `[p_last, s_0, ..., s_{L-2}]` at positions `P-1 ... P+L-2`, where `p_last` is
+the prefix's last token and the other `P' = P - 1` prefix tokens sit in the cache. Output position `t` then predicts
+`s_t`, exactly like position `P-1+t` of the full sequence `[P || s]`. Every layout reduces to two per-token arrays,
+`segment_ids` (-1 marks padding) and absolute `position_ids`, from which one predicate decides visibility: a query
+sees every cached prefix key and, causally, the real keys of its own segment, all within the layer's sliding window if
+it has one.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def _check_ids(name: str, ids: torch.Tensor) -> None:
 
 
 def padded_wave(
-    last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int, position_offset: int = 0
+    last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int,
+    position_offset: int = 0,
 ) -> Wave:
     """Right-padded rows `[B, S]` (mask 1 = real token): one suffix per row."""
     _check_ids("suffix_ids", suffix_ids)

@@ -31,7 +31,8 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Kernel:
-    """A fused attention kernel that returns its log-sum-exp: `forward -> (out, lse, state)`, `backward -> dq, dk, dv`."""
+    """A fused attention kernel that returns its log-sum-exp: `forward -> (out, lse, state)`,
+    `backward -> dq, dk, dv`."""
 
     name: str
     forward: Callable
