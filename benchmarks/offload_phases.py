@@ -3,18 +3,17 @@
     python benchmarks/offload_phases.py --model qwen3-1.7b --n 4
 
 Variants: `plain` (no offload, no recompute), `recompute` (prefix layers checkpointed on the device, no offload),
-`offload` (the default offload: recompute 1, attention and the MLP's gate and up projections replayed),
-`offload-drained` (the same, but the host waits for Phase A's copies to the host before Phase B starts),
-`offload-nogc` (the same, Python's collector off during the group), `offload-keepdown` (the same, the compiled
-recompute running the MLP's down projection that it leaves out by default), `offload-multiplymlp` (the same, the eager
-recompute multiplying the gate and up projections again instead of replaying them), `offload:S` (offload recomputing a
-share S of the prefix layers, copying the others back). Phase B runs the suffixes in waves of `--wave` (at one suffix
-a wave, Phase B is host-bound: its time then follows the host's speed more than the GPU's). Phases are timed by events
-on the compute stream without synchronising between waves (as a training step runs); median of `--repeats` groups
-after two warm-up groups, the variants interleaved round by round (and each group's time against the first variant's
-in its round); Phase B's peak allocated memory from one more group. `--profile B` (or `C`) adds a profile of that
-phase alone per variant: its kernel time, and the time the compute stream had no kernel running.
-`--compare-gradients V` checks that the variants train alike: each one's gradients against variant V's.
+`offload` (the default offload: recompute 1, attention replayed), `offload-drained` (the same, but the host waits for
+Phase A's copies to the host before Phase B starts), `offload-nogc` (the same, Python's collector off during the
+group), `offload-keepdown` (the same, the compiled recompute running the MLP's down projection that it leaves out by
+default), `offload:S` (offload recomputing a share S of the prefix layers, copying the others back). Phase B runs the
+suffixes in waves of `--wave` (at one suffix a wave, Phase B is host-bound: its time then follows the host's speed
+more than the GPU's). Phases are timed by events on the compute stream without synchronising between waves (as a
+training step runs); median of `--repeats` groups after two warm-up groups, the variants interleaved round by round
+(and each group's time against the first variant's in its round); Phase B's peak allocated memory from one more group.
+`--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel time, and the time the compute
+stream had no kernel running. `--compare-gradients V` checks that the variants train alike: each one's gradients
+against variant V's.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS, replayed_projections
+from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS
 from speed import build, group_parser, random_group, suffix_loss
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +37,13 @@ class Variant:
     drain: bool = False  # the host waits for Phase A's copies to the host before Phase B starts
     nogc: bool = False  # Python's collector off during the group
     keepdown: bool = False  # the compiled recompute runs the MLP's down projection
-    multiplymlp: bool = False  # the eager recompute multiplies the MLP's gate and up projections again
 
 
 OFFLOAD = Variant(offload=True, recompute=1.0)
 VARIANTS = {"plain": Variant(), "recompute": Variant(recompute=1.0), "offload": OFFLOAD,
             "offload-drained": dataclasses.replace(OFFLOAD, drain=True),
             "offload-nogc": dataclasses.replace(OFFLOAD, nogc=True),
-            "offload-keepdown": dataclasses.replace(OFFLOAD, keepdown=True),
-            "offload-multiplymlp": dataclasses.replace(OFFLOAD, multiplymlp=True)}
-
-
-def no_projections(decoder, layers) -> dict:
-    return {}
+            "offload-keepdown": dataclasses.replace(OFFLOAD, keepdown=True)}
 
 
 def event() -> torch.cuda.Event:
@@ -70,10 +63,8 @@ def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> t
     that phase."""
     setting = settings(variant)
     hf_prefixflow.apply_prefixflow(model, offload=setting.offload, prefix_recompute=setting.recompute)
-    # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out;
-    # no replayed projections make the eager recompute multiply them again, as before they were replayed.
+    # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out.
     hf_prefixflow.recompute.RESIDUAL_MLP_LAYERS = frozenset() if setting.keepdown else RESIDUAL_MLP_LAYERS
-    hf_prefixflow.scheduler.replayed_projections = no_projections if setting.multiplymlp else replayed_projections
     watched = lambda name: watch if watch is not None and name == phase else contextlib.nullcontext()  # noqa: E731
     if setting.nogc:
         gc.disable()

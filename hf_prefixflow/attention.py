@@ -30,7 +30,7 @@ from .layouts import PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish
 
 if TYPE_CHECKING:
-    from .recompute import RecomputeReplay
+    from .recompute import AttentionReplay
 
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
@@ -52,7 +52,7 @@ class PrefixPass:
 
     cache: TrainingKVCache
     collect_router_logits: bool = False
-    replay: RecomputeReplay | None = None  # recomputed layers' attention and projections, replayed in Phase C
+    replay: AttentionReplay | None = None  # recomputed layers' attention, replayed in Phase C
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,8 +227,6 @@ def _marked_attention(module, query, key, value, attention_mask, marker, base: s
     _check_call(module, dropout, kwargs)
     if isinstance(marker, PrefixPass):
         marker.cache.capture(module.layer_idx, key, value)
-        if marker.replay is not None:
-            marker.replay.enter(module.layer_idx)
         replayed = _replayed_prefix_attention(module, query, key, value, attention_mask, marker, base, scaling, kwargs)
         if replayed is not None:
             return replayed, None

@@ -4,11 +4,9 @@ Phase A checkpoints `share` of the decoder layers (non-reentrant): only their in
 offload) and Phase C recomputes the rest of their activations from them, exactly (the same kernels on the same
 inputs). Attention is the one part whose recompute costs far more than keeping its result: over a 10k prefix its
 forward is about a quarter of a layer's FLOPs, its output one hidden state per token. With offload,
-`RecomputeReplay` keeps each recomputed layer's attention output and log-sum-exp on the host beside the layer
+`AttentionReplay` keeps each recomputed layer's attention output and log-sum-exp on the host beside the layer
 input, and the recompute replays them instead of running the kernel again; the backward runs the kernel's own
-backward on the recomputed q/k/v, equal to Phase A's. Eager layers replay their MLP's expanding projections (gate,
-up) the same way: two thirds of a dense layer's recomputed matrix multiplies, whose outputs cross PCIe while the
-neighbouring layers compute.
+backward on the recomputed q/k/v, equal to Phase A's.
 
 A torch.compile'd layer is not handed to `torch.utils.checkpoint`: torch runs a checkpointed region with a graph
 break (PrefixFlow's attention is one) uncompiled. `replay_layer` recomputes it instead, calling the compiled layer
@@ -223,108 +221,48 @@ def discardable_projection(layer: torch.nn.Module) -> torch.nn.Linear | None:
 
 class DiscardedLinear(torch.nn.Linear):
     """A layer's last projection while the layer is recomputed for its backward: its output is never read, so only
-    its backward runs (a third of the MLP's matrix multiplies)."""
+    its backward runs (a third of the MLP's matrix multiplies). Inputs are cast as autocast casts a linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _GivenProduct.apply(*_autocast_linear_inputs(x, self.weight, self.bias), None)
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = _autocast(x, dtype), _autocast(weight, dtype)
+            bias = None if bias is None else _autocast(bias, dtype)
+        return _DiscardedProduct.apply(x, weight, bias)
 
 
-def _autocast_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """A linear's inputs cast as autocast casts them (float64 stays float64)."""
-    if not torch.is_autocast_enabled(x.device.type):
-        return x, weight, bias
-    dtype, castable = torch.get_autocast_dtype(x.device.type), (torch.float32, torch.float16, torch.bfloat16)
-    return tuple(t.to(dtype) if t is not None and t.dtype in castable else t for t in (x, weight, bias))
+def _autocast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Autocast's cast of a linear's input: float64 stays float64."""
+    return tensor.to(dtype) if tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) else tensor
 
 
-class _GivenProduct(torch.autograd.Function):
-    """`x @ weight.T + bias` as a linear's autograd node around a product it does not compute: `out` (Phase A's,
-    replayed) or, when None, an uninitialised tensor (discarded). It saves what the linear's matrix multiply saves,
-    in its order (the transposed weight, the input as rows), which non-reentrant checkpointing checks in its
-    recompute, and its backward runs the linear's matrix multiplies on them."""
+class _DiscardedProduct(torch.autograd.Function):
+    """`x @ weight.T + bias`, left uncomputed: forward allocates the output, backward is the linear's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out):
-        ctx.save_for_backward(weight.t(), x.reshape(-1, x.shape[-1]))
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return x.new_empty((*x.shape[:-1], weight.shape[0])) if out is None else out
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad):
-        weight_t, rows = ctx.saved_tensors
-        grad_rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_rows.mm(weight_t.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_weight = grad_rows.t().mm(rows) if ctx.needs_input_grad[1] else None
-        grad_bias = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_weight, grad_bias, None
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_weight, grad_bias
 
 
-REPLAY_ATTRIBUTE = "_prefixflow_replay"  # on a projection, from its layer's attention call to its own call
+class AttentionReplay:
+    """Phase A's attention results of the recomputed layers, kept through `offload` for their Phase-C recompute."""
 
-
-class ReplayedLinear(torch.nn.Linear):
-    """An expanding MLP projection of a recomputed prefix layer, in Phase A and C: the first call after its layer's
-    attention goes through the group's `RecomputeReplay`; any other call is the plain linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        replay = self.__dict__.pop(REPLAY_ATTRIBUTE, None)
-        return super().forward(x) if replay is None else replay.project(self, x)
-
-
-def replayed_projections(decoder: torch.nn.Module, layers: set[int]) -> dict[int, list[torch.nn.Linear]]:
-    """The MLP projections that widen the hidden state (gate, up; not LoRA's B, whose product is cheap to redo) of
-    each eager recomputed layer, by attention `layer_idx`: plain `nn.Linear`s without bias (whose saves
-    `_GivenProduct` mirrors) or hooks, in layers without hooks (ZeRO-3, FSDP) and not compiled."""
-    hidden, found = getattr(getattr(decoder, "config", None), "hidden_size", None), {}
-    for layer in decoder_layers(decoder):
-        indices = _attention_indices(layer) & layers
-        mlp = getattr(layer, "mlp", None)
-        if len(indices) != 1 or mlp is None or _compiled(layer) or _hooked(layer) or _hooked(mlp):
-            continue
-        found[indices.pop()] = [m for m in mlp.modules() if type(m) is torch.nn.Linear
-                                and type(m.weight) is torch.nn.Parameter and m.bias is None
-                                and m.in_features == hidden < m.out_features and not _hooked(m)]
-    return {} if torch.nn.modules.module._global_forward_hooks else found
-
-
-class RecomputeReplay:
-    """Phase A's results in the recomputed layers (attention, expanding MLP projections), kept through `offload` for
-    their Phase-C recompute."""
-
-    def __init__(self, layers: set[int], offload, projections: dict[int, list[torch.nn.Linear]]):
+    def __init__(self, layers: set[int], offload):
         self.layers = layers
         self.offload = offload  # an `offload.PrefixOffload`: `pack` moves a tensor to the host, `unpack` brings it back
-        self.projections = projections
         self.kept: dict[int, tuple] = {}
-        self.kept_products: dict[torch.nn.Module, object] = {}
-
-    @contextlib.contextmanager
-    def projecting(self):
-        """Phase A's prefix forward or Phase C: the projections are `ReplayedLinear`s (already, in a Phase C that
-        closes several groups)."""
-        swapped = [m for ms in self.projections.values() for m in ms if type(m) is torch.nn.Linear]
-        for module in swapped:
-            module.__class__ = ReplayedLinear
-        try:
-            yield
-        finally:
-            for module in swapped:
-                module.__class__ = torch.nn.Linear
-                module.__dict__.pop(REPLAY_ATTRIBUTE, None)
-
-    def enter(self, layer: int) -> None:
-        """This layer's attention ran in a prefix pass: its projections' next calls are this group's."""
-        for module in self.projections.get(layer, ()):
-            module.__dict__[REPLAY_ATTRIBUTE] = self
-
-    def project(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        kept = self.kept_products.pop(module, None)
-        if kept is None:  # Phase A
-            out = torch.nn.functional.linear(x, module.weight, module.bias)
-            self.kept_products[module] = self.offload.pack(out)
-            return out
-        # Phase C's recompute: the same input and weights, so Phase A's product
-        return _GivenProduct.apply(*_autocast_linear_inputs(x, module.weight, module.bias), self.offload.unpack(kept))
 
     def attend(self, module: torch.nn.Module, query, key, value, scale: float | None) -> torch.Tensor | None:
         """Causal attention of one prefix `[1, H, P, D]` as `[1, P, Hq, D]`, replayed in this layer's recompute;
@@ -348,7 +286,7 @@ class RecomputeReplay:
 
 class _ReplayedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, scale, kernel, replay: RecomputeReplay, layer: int):
+    def forward(ctx, query, key, value, scale, kernel, replay: AttentionReplay, layer: int):
         kept = replay.take(layer)
         if kept is None:  # Phase A
             out, lse, state = kernel.forward(query, key, value, True, scale)

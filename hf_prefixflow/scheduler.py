@@ -28,7 +28,7 @@ from .layouts import Wave, packed_wave, padded_wave
 from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
-from .recompute import RECOMPUTE_SHARE, RecomputeReplay, recomputed_layers, replayed_projections
+from .recompute import RECOMPUTE_SHARE, AttentionReplay, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -64,7 +64,7 @@ class PrefixGroup:
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
         self.offload: PrefixOffload | None = None
-        self.replay: RecomputeReplay | None = None
+        self.attention_replay: AttentionReplay | None = None
 
     def _check_prefix(self, prefix_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.dtype not in (torch.int64, torch.int32):
@@ -131,16 +131,11 @@ class PrefixGroup:
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         self.offload = self._offloader()
-        with contextlib.ExitStack() as stack:
-            if self.offload:
-                stack.enter_context(self.offload.hooks())
-            recomputed = stack.enter_context(self._recomputing())
-            if self.offload and recomputed:  # recomputed layers keep results on the host too (`recompute`)
-                projections = replayed_projections(decoder_of(self._inner), recomputed)
-                self.replay = RecomputeReplay(recomputed, self.offload, projections)
-                stack.enter_context(self.replay.projecting())
+        with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing() as recomputed:
+            # With offload, recomputed layers keep their attention results on the host too (`recompute`).
+            self.attention_replay = AttentionReplay(recomputed, self.offload) if self.offload and recomputed else None
             module, extra = fsdp.prefix_forward(self.model)
-            marker = PrefixPass(self.cache, self.collect_router_logits, self.replay)
+            marker = PrefixPass(self.cache, self.collect_router_logits, self.attention_replay)
             out = self._forward(module, self.prefix_ids[:, :-1], positions, **{PASS_KWARG: marker}, **replay, **extra)
         hidden = out[0]  # the last hidden state, or the logits when Phase A runs the whole model (FSDP2)
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
@@ -250,7 +245,7 @@ class PrefixGroup:
 
     def _release(self) -> None:
         self.cache.free()
-        self.replay = None  # what it kept lived in the offload's buffers, returned next
+        self.attention_replay = None  # what it kept lived in the offload's buffers, returned next
         if self.offload is not None:
             self.offload.release()
         self.state = "closed"
@@ -306,11 +301,7 @@ class GroupSession:
         closing = list(self.groups) if groups is None else list(groups)
         caches = [g.cache for g in closing if g._needs_prefix_backward()]
         try:
-            with contextlib.ExitStack() as stack:
-                for group in closing:
-                    if group.replay is not None:
-                        stack.enter_context(group.replay.projecting())
-                return delayed_backward(caches, backward) if backward else delayed_backward(caches)
+            return delayed_backward(caches, backward) if backward else delayed_backward(caches)
         finally:
             for group in closing:
                 group._release()

@@ -29,13 +29,12 @@ def fresh_dynamo():
 @pytest.fixture
 def poisoned_discard(monkeypatch):
     """The recompute's discarded projection returns NaN: a layer that read it would poison the gradients."""
-    forward = recompute._GivenProduct.forward
+    forward = recompute._DiscardedProduct.forward
 
-    def poisoned(ctx, x, weight, bias, out):
-        return forward(ctx, x, weight, bias, out) if out is not None else torch.full_like(
-            forward(ctx, x, weight, bias, out), float("nan"))
+    def poisoned(ctx, x, weight, bias):
+        return torch.full_like(forward(ctx, x, weight, bias), float("nan"))
 
-    monkeypatch.setattr(recompute._GivenProduct, "forward", staticmethod(poisoned))
+    monkeypatch.setattr(recompute._DiscardedProduct, "forward", staticmethod(poisoned))
 
 
 def compiled(offload: bool, prefix_recompute: float | None = None):
