@@ -15,7 +15,8 @@ as far from it as bf16 SDPA over the concatenated K/V (the baseline's kernel).
 `--bf16-weights` trains bf16 weights without autocast instead (gK/gV then sum in bf16, as `param.grad` does);
 `--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention);
 `--compile` compiles every decoder layer of both models; `--checkpointing` checkpoints every decoder layer of both
-(non-reentrant, TRL's default).
+(non-reentrant, TRL's default); `--head-dim 128` gives the models and the kernel check Qwen3's and Llama3's head size
+(64 by default).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ PATHS = {
 }
 
 
-def build_model(attn: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(attn: str, dtype: torch.dtype = torch.float32, head_dim: int = 64) -> torch.nn.Module:
     config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
+                         num_attention_heads=16, num_key_value_heads=4, head_dim=head_dim, max_position_embeddings=8192,
                          attn_implementation=attn)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(DEVICE, dtype).train()
@@ -105,7 +106,7 @@ def batched_full_sequence_step(model, group):
 
 def control_row(args) -> dict:
     """How far two valid baselines (per sequence vs one padded batch) are apart under the same criterion."""
-    model = build_model("sdpa", torch.bfloat16 if args.bf16_weights else torch.float32)
+    model = build_model("sdpa", torch.bfloat16 if args.bf16_weights else torch.float32, args.head_dim)
     group = random_groups(1, args.prefix, args.suffix, args.n, model.config.vocab_size)[0]
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=not args.bf16_weights):
         losses = [full_sequence_step(model, group)]
@@ -163,7 +164,7 @@ def run_case(name: str, layout: str, args) -> dict:
     attn, backends, _ = PATHS[name]
     kernels = sdpa_kernel(backends) if backends else contextlib.nullcontext()
     dtype = torch.bfloat16 if args.bf16_weights else torch.float32
-    reference = build_model(attn, dtype)
+    reference = build_model(attn, dtype, args.head_dim)
     candidate = copy.deepcopy(reference)
     for model in (reference, candidate) if args.checkpointing else ():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -172,7 +173,7 @@ def run_case(name: str, layout: str, args) -> dict:
         layer.compile()
     groups = random_groups(args.steps, args.prefix, args.suffix, args.n, reference.config.vocab_size)
 
-    fp32 = build_model(attn)
+    fp32 = build_model(attn, head_dim=args.head_dim)
     full_sequence_step(fp32, groups[0])  # fp32 truth for step 1
     truth = grads(fp32)
     del fp32
@@ -203,7 +204,7 @@ def run_case(name: str, layout: str, args) -> dict:
     return row
 
 
-def kernel_rows() -> list[dict]:
+def kernel_rows(dim: int) -> list[dict]:
     """`split_attention` alone in bf16 (transformers' q/k/v layout, one and three rows) against fp64 attention over
     the concatenated K/V, next to bf16 SDPA over the concatenated K/V, for every kernel this GPU runs."""
     from torch.nn.attention.bias import causal_lower_right
@@ -228,7 +229,7 @@ def kernel_rows() -> list[dict]:
     gen = torch.Generator(DEVICE).manual_seed(0)
     rows = []
     for batch in (1, 3):
-        heads, kv_heads, length, prefix, dim = 16, 4, 384, 1536, 64
+        heads, kv_heads, length, prefix = 16, 4, 384, 1536
         make = lambda *shape: torch.randn(*shape, generator=gen, device=DEVICE)  # noqa: E731
         # as transformers lays them out: [B, H, L, D] views of [B, L, H, D]
         q, k, v, grad = (make(batch, length, h, dim).transpose(1, 2) for h in (heads, kv_heads, kv_heads, heads))
@@ -262,6 +263,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1536)
     parser.add_argument("--suffix", type=int, default=384)
     parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64, help="128: Qwen3's and Llama3's")
     parser.add_argument("--wave", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="'cpu' only smoke-tests the script")
@@ -281,7 +283,7 @@ def main() -> None:
     env = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
            "transformers": transformers.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
-    kernels = kernel_rows() if args.kernel_check and DEVICE == "cuda" else []
+    kernels = kernel_rows(args.head_dim) if args.kernel_check and DEVICE == "cuda" else []
     rows = [{**control_row(args), **env}]
     print(json.dumps(rows[-1]), flush=True)
     for name in args.paths.split(","):
@@ -300,6 +302,7 @@ def main() -> None:
              f"{' --checkpointing' * args.checkpointing}")
     lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, "
              f"{env['date']})", "", f"`python benchmarks/gpu_equivalence.py{flags}` — P={args.prefix}, "
+             f"head dim {args.head_dim}, "
              f"suffixes up to {args.suffix}, N={args.n}, "
              f"wave {args.wave}, {args.steps} AdamW steps. Ratios are max |x-y| / (1e-3 + 1e-2 max(|x|,|y|)); "
              f"<= 1 passes, with PrefixFlow's gradient error against fp32 at most {FP32_ERROR_RATIO}x the baseline's.",

@@ -1,14 +1,15 @@
 """Prefix activation offload: the prefix graph's saved tensors leave the device from Phase A until Phase C.
 
-Phase B reads only the prefix K/V; every other tensor the prefix forward saves for its backward is dormant until
-Phase C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the prefix forward: each saved tensor
-(not parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the
-forward goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k
-and v projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts
-copying back the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand,
-so correctness never depends on overlap. A restored tensor is dropped after its last unpack, so Phase C holds only
-what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that exercises the
-bookkeeping).
+Phase B reads only the prefix K/V; every other tensor the prefix forward saves for its backward is dormant until Phase
+C. `PrefixOffload` is a pair of `saved_tensors_hooks` active during the prefix forward: each saved tensor (not
+parameters, not the cached K/V, not small ones) is copied to a reusable host pool on a side stream while the forward
+goes on, and its device memory is released. A tensor saved by several ops (a layer input read by the q, k and v
+projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts copying back
+the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand, so correctness
+never depends on overlap. A restored tensor has the strides it left with (cuDNN's attention backward returns wrong
+gradients for an output handed back in another layout: benchmarks/attention_layout.py) and is dropped after its last
+unpack, so Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a
+stand-in that exercises the bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
 than its backward takes to run. By default Phase A therefore checkpoints the prefix layers (`hf_prefixflow.recompute`):
@@ -55,6 +56,7 @@ class Offloaded:
     layer: int  # attention layers the prefix forward had run when this was saved
     host: torch.Tensor  # uint8 bytes
     shape: torch.Size
+    stride: tuple[int, ...]  # the saved tensor's layout, restored with it
     dtype: torch.dtype
     device: torch.device
     copied: object = None  # event that marks the device-to-host copy done
@@ -67,6 +69,16 @@ class Offloaded:
     @property
     def consumed(self) -> bool:
         return self.unpacked >= self.saves
+
+    def host_view(self) -> torch.Tensor:
+        return self.host.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides a restored copy of `tensor` gets: its own when its elements fill their span (any dimension
+    order), else contiguous ones. Kernels may depend on them: cuDNN's attention backward, handed its forward's output
+    in another layout than that forward returned (the query's), returns wrong gradients (on an H200, torch 2.11)."""
+    return torch.empty_like(tensor, device="meta").stride()
 
 
 def _is_parameter_cast(tensor: torch.Tensor) -> bool:
@@ -130,8 +142,8 @@ class PrefixOffload:
         nbytes = tensor.numel() * tensor.element_size()
         host = self.pool.take(nbytes)
         layer = sum(len(cache.layers) for cache in self.caches)
-        entry = Offloaded(len(self.entries), layer, host, tensor.shape, tensor.dtype, tensor.device)
-        view = host.view(tensor.dtype).view(tensor.shape)
+        entry = Offloaded(len(self.entries), layer, host, tensor.shape, _layout(tensor), tensor.dtype, tensor.device)
+        view = entry.host_view()
         if self.stream is None:
             view.copy_(tensor)
         else:
@@ -176,13 +188,13 @@ class PrefixOffload:
     def _prefetch(self, entry: Offloaded) -> None:
         if entry.device_copy is not None:
             return
-        host = entry.host.view(entry.dtype).view(entry.shape)
+        host = entry.host_view()
         if self.stream is None:
             entry.device_copy = host.clone()
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(entry.copied)
-            entry.device_copy = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+            entry.device_copy = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=entry.device)
             entry.device_copy.copy_(host, non_blocking=True)
             entry.ready = torch.cuda.Event()
             entry.ready.record(self.stream)
