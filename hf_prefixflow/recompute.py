@@ -274,14 +274,14 @@ class AttentionReplay:
         return _ReplayedAttention.apply(query, key, value, scale, kernel, self, module.layer_idx).transpose(1, 2)
 
     def keep(self, layer: int, out: torch.Tensor, lse: torch.Tensor, state: tuple) -> None:
-        self.kept[layer] = (self.offload.pack(out), self.offload.pack(lse), state)
+        self.kept[layer] = (self.offload.pack(out), self.offload.pack(lse), state, out.stride())
 
     def take(self, layer: int) -> tuple | None:
         kept = self.kept.pop(layer, None)
         if kept is None:
             return None
-        out, lse, state = kept
-        return self.offload.unpack(out), self.offload.unpack(lse), state
+        out, lse, state, stride = kept
+        return split_attention.in_layout(self.offload.unpack(out), stride), self.offload.unpack(lse), state
 
 
 class _ReplayedAttention(torch.autograd.Function):
@@ -294,12 +294,13 @@ class _ReplayedAttention(torch.autograd.Function):
         else:  # Phase C's recompute: the inputs are Phase A's, recomputed exactly, so the result is too
             out, lse, state = kept
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.meta = (scale, kernel, state)
+        ctx.meta = (scale, kernel, state, out.stride())
         return out
 
     @staticmethod
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
-        scale, kernel, state = ctx.meta
+        scale, kernel, state, out_stride = ctx.meta
+        out = split_attention.in_layout(out, out_stride)
         dq, dk, dv = kernel.backward(grad, query, key, value, out, lse, True, scale, state)
         return dq, dk, dv, None, None, None, None

@@ -158,6 +158,16 @@ def _rows_unfolded(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x if batch == 1 else x[0].unflatten(1, (batch, -1)).transpose(0, 1)
 
 
+def in_layout(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`x` laid out with `stride`, copied only when it lies otherwise. A saved-tensor hook may hand a kernel's output
+    back in another layout (torch's `save_on_cpu(pin_memory=True)` returns it contiguous), and cuDNN's attention
+    backward returns wrong gradients for an output that does not lie as its forward left it
+    (benchmarks/attention_layout.py)."""
+    if x.stride() == tuple(stride):
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _lse_for(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A log-sum-exp as a backward kernel reads it: in its own shape and contiguous. The GPU kernels take its
     pointer without its strides; the merged one may lie in any order (the compiled merge picks it from its inputs)."""
@@ -175,13 +185,14 @@ class _SplitAttention(torch.autograd.Function):
         out, lse = _merge(_rows_unfolded(out_p, batch), _rows_unfolded(lse_p.reshape(shape_p[:3]), batch),
                           out_s, lse_s.reshape(shape_s[:3]))
         ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse)
-        ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s)
+        ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s, out.stride())
         return out
 
     @staticmethod
     def backward(ctx, grad):
         query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
-        scale, kernel, shape_p, shape_s, state_p, state_s = ctx.meta
+        scale, kernel, shape_p, shape_s, state_p, state_s, out_stride = ctx.meta
+        out = in_layout(out, out_stride)
         lse_p = _lse_for(_rows_folded(lse), shape_p)
         dq_p, dk_p, dv_p = kernel.backward(_rows_folded(grad), _rows_folded(query), prefix_key, prefix_value,
                                            _rows_folded(out), lse_p, False, scale, state_p)

@@ -313,3 +313,36 @@ def test_a_restored_tensor_keeps_its_layout():
     expanded = base[:, :, :1].expand(2, 5, 3, 4)
     restored = offload.unpack(offload.pack(expanded))
     assert torch.equal(restored, expanded) and restored.is_contiguous()
+
+
+def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
+    """Restored contiguous (as offload once restored every tensor), Phase A's attention output still reaches the
+    kernel's backward in the layout that kernel's forward returned."""
+    monkeypatch.setattr(hf_prefixflow.offload, "_layout", lambda tensor: torch.empty(tensor.shape).stride())
+    gen = torch.Generator().manual_seed(8)
+    model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=3).train())
+    group = random_group(gen, prefix=(12, 20), n=(2, 3))
+    prefix = len(group.prefix) - 1  # the cached tokens: Phase A's attention runs over these
+    forward_strides, forward_shapes, backward_strides = set(), [], []
+    cpu = hf_prefixflow.split_attention.CPU
+
+    def recording_forward(q, k, v, causal, scale):
+        out, lse, state = cpu.forward(q, k, v, causal, scale)
+        if q.shape[2] == prefix:
+            forward_strides.add(out.stride())
+            forward_shapes.append((out.shape, out.stride()))
+        return out, lse, state
+
+    def recording_backward(grad, q, k, v, out, lse, causal, scale, state):
+        if q.shape[2] == prefix:
+            backward_strides.append(out.stride())
+        return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
+
+    monkeypatch.setattr(hf_prefixflow.split_attention, "CPU",
+                        hf_prefixflow.split_attention.Kernel("recording", recording_forward, recording_backward))
+    hf_prefixflow.apply_prefixflow(model, offload=True)
+    prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    # the last layer's prefix attention feeds only the prefix output, which nothing reads: no backward
+    assert len(backward_strides) == len(model.model.layers) - 1
+    assert set(backward_strides) <= forward_strides and all(
+        stride != torch.empty(shape).stride() for shape, stride in forward_shapes)  # a layout the patch would lose

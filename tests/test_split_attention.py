@@ -171,3 +171,27 @@ def test_backward_kernels_read_a_contiguous_log_sum_exp():
     assert not out.grad_fn.saved_tensors[-1].is_contiguous()  # the eager merge leaves it strided: the case to test
     out.sum().backward()
     assert seen == [True, True]
+
+
+def test_backward_kernels_get_the_output_as_the_forward_laid_it_out():
+    """A saved-tensor hook may hand saved tensors back contiguous (torch's `save_on_cpu(pin_memory=True)` does); each
+    backward call still gets the merged output in the forward's layout (cuDNN's backward, handed its output
+    contiguous, returned dq and dk 2-3 times their largest value off on an H200:
+    benchmarks/results/attention_layout_probe.log)."""
+    seen = []
+    cpu = split_attention.CPU
+
+    def recording_backward(grad, q, k, v, out, lse, causal, scale, state):
+        seen.append(out.stride())
+        return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
+
+    kernel = split_attention.Kernel("recording", cpu.forward, recording_backward)
+    gen = torch.Generator().manual_seed(6)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    query, key, value = (make(3, 6, h, 8).transpose(1, 2) for h in (4, 2, 2))
+    prefix_key, prefix_value = (make(1, 9, 2, 8).transpose(1, 2) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t):
+        out = split_attention.split_attention(query, prefix_key, prefix_value, key, value, None, kernel)
+    assert not out.is_contiguous() and out.grad_fn.saved_tensors[-2].is_contiguous()  # the hook changed its layout
+    out.sum().backward()
+    assert seen == [split_attention._rows_folded(out.detach()).stride(), out.stride()]
