@@ -1,5 +1,7 @@
 """Split Phase-B attention (prefix in place + causal suffix, merged by log-sum-exp) against concatenated attention."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,22 +154,29 @@ def test_merge_and_sums_run_in_the_kernels_memory_order():
     assert seen[-1] == [True, False] and torch.equal(plain, out_p + out_s)  # mixed layouts: called as they are
 
 
+def _recorded_split_attention(record, seed: int, hooks=None) -> torch.Tensor:
+    """`split_attention` over three rows through the CPU kernel, whose backward first calls `record(out, lse)`; the
+    forward runs under `hooks` (saved-tensor hooks) if given."""
+    cpu = split_attention.CPU
+
+    def recording_backward(grad, q, k, v, out, lse, causal, scale, state):
+        record(out, lse)
+        return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
+
+    kernel = split_attention.Kernel("recording", cpu.forward, recording_backward)
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    query, key, value = (make(3, 6, h, 8).transpose(1, 2) for h in (4, 2, 2))
+    prefix_key, prefix_value = (make(1, 9, 2, 8).transpose(1, 2) for _ in range(2))
+    with hooks or contextlib.nullcontext():
+        return split_attention.split_attention(query, prefix_key, prefix_value, key, value, None, kernel)
+
+
 def test_backward_kernels_read_a_contiguous_log_sum_exp():
     """The GPU kernels take the log-sum-exp's pointer without its strides: whatever layout the merge leaves it in,
     each backward call gets it contiguous (a strided one gave dq, dk and dv 20% off on an H200)."""
     seen = []
-    cpu = split_attention.CPU
-
-    def recording_backward(grad, q, k, v, out, lse, causal, scale, state):
-        seen.append(lse.is_contiguous())
-        return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
-
-    kernel = split_attention.Kernel("recording", cpu.forward, recording_backward)
-    gen = torch.Generator().manual_seed(5)
-    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
-    query, key, value = (make(3, 6, h, 8).transpose(1, 2) for h in (4, 2, 2))
-    prefix_key, prefix_value = (make(1, 9, 2, 8).transpose(1, 2) for _ in range(2))
-    out = split_attention.split_attention(query, prefix_key, prefix_value, key, value, None, kernel)
+    out = _recorded_split_attention(lambda out, lse: seen.append(lse.is_contiguous()), seed=5)
     assert not out.grad_fn.saved_tensors[-1].is_contiguous()  # the eager merge leaves it strided: the case to test
     out.sum().backward()
     assert seen == [True, True]
@@ -179,19 +188,8 @@ def test_backward_kernels_get_the_output_as_the_forward_laid_it_out():
     contiguous, returned dq and dk 2-3 times their largest value off on an H200:
     benchmarks/results/attention_layout_probe.log)."""
     seen = []
-    cpu = split_attention.CPU
-
-    def recording_backward(grad, q, k, v, out, lse, causal, scale, state):
-        seen.append(out.stride())
-        return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
-
-    kernel = split_attention.Kernel("recording", cpu.forward, recording_backward)
-    gen = torch.Generator().manual_seed(6)
-    make = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
-    query, key, value = (make(3, 6, h, 8).transpose(1, 2) for h in (4, 2, 2))
-    prefix_key, prefix_value = (make(1, 9, 2, 8).transpose(1, 2) for _ in range(2))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t):
-        out = split_attention.split_attention(query, prefix_key, prefix_value, key, value, None, kernel)
+    contiguous = torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t)
+    out = _recorded_split_attention(lambda out, lse: seen.append(out.stride()), seed=6, hooks=contiguous)
     assert not out.is_contiguous() and out.grad_fn.saved_tensors[-2].is_contiguous()  # the hook changed its layout
     out.sum().backward()
     assert seen == [split_attention._rows_folded(out.detach()).stride(), out.stride()]
