@@ -281,7 +281,7 @@ class AttentionReplay:
         if kept is None:
             return None
         out, lse, state, stride = kept
-        return split_attention.in_layout(self.offload.unpack(out), stride), self.offload.unpack(lse), state
+        return self.offload.unpack(out), self.offload.unpack(lse), state, stride
 
 
 class _ReplayedAttention(torch.autograd.Function):
@@ -291,10 +291,11 @@ class _ReplayedAttention(torch.autograd.Function):
         if kept is None:  # Phase A
             out, lse, state = kernel.forward(query, key, value, True, scale)
             replay.keep(layer, out, lse, state)
+            stride = out.stride()
         else:  # Phase C's recompute: the inputs are Phase A's, recomputed exactly, so the result is too
-            out, lse, state = kept
+            out, lse, state, stride = kept  # `stride`: the layout the kernel returned `out` in, for its backward
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.meta = (scale, kernel, state, out.stride())
+        ctx.meta = (scale, kernel, state, stride)
         return out
 
     @staticmethod
