@@ -1,6 +1,7 @@
 """The main job and the walkthrough notebook run end to end (reduced sizes)."""
 
 import pathlib
+import re
 import sys
 
 import nbformat
@@ -11,10 +12,20 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_long_prefix  # noqa: E402
 import quickstart  # noqa: E402
+from launcher import torchrun  # noqa: E402
 
 
 def test_quickstart_gradients_agree():
     assert quickstart.main(["--prefix", "64", "--suffix", "12", "--n", "4", "--wave", "3"]) < 1e-5
+
+
+def test_pipeline_example_gradients_agree():
+    result = torchrun("../examples/pipeline_parallel.py", "--prefix", "64", "--suffix", "12", "--completions", "4",
+                      "--microbatches", "2", "--steps", "2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    differences = [float(d) for d in re.findall(r"max relative difference (\S+)", result.stdout)]
+    assert len(differences) == 2 and max(differences) < 1e-5
+    assert len(re.findall(r"^step \d: loss", result.stdout, re.M)) == 2
 
 
 def test_grpo_long_prefix_trains_both_trainers_identically(tmp_path):

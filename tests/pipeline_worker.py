@@ -1,0 +1,114 @@
+"""One stage of a pipeline-parallel run on CPU (gloo), for tests/test_pipeline.py: PP against one-process training.
+
+    python -m torch.distributed.run --nproc_per_node STAGES tests/pipeline_worker.py MODES FAMILY LAYERS [BOUNDS]
+
+Every rank trains a full-sequence reference of the whole model alone and its stage under PrefixFlow on the same
+groups, then checks its own parameters: loss (last stage), every gradient and the weights after each SGD step.
+MODES, comma-separated: `plain`; `offload` (the host pool, recomputing half the prefix layers); `checkpointing`
+(non-reentrant, on both models); `lora` (both models under the same LoRA adapters); or a deliberately broken
+`no_boundary` (Phase C drops the gradient coming back from the next stage), which must fail. Rank 0 prints
+`max_rel <worst relative error>` over all ranks.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import equivalence as eq  # noqa: E402
+from launcher import finish_worker  # noqa: E402
+from models import build  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+import hf_prefixflow  # noqa: E402
+from hf_prefixflow.distributed import pipeline  # noqa: E402
+
+# (prefix length, suffix lengths, microbatches) per stage count: uneven suffixes are right-padded to one width;
+# P=1 caches nothing.
+GROUPS = {
+    2: [(13, [5, 3, 7, 1], 2), (9, [4, 6, 2, 2, 5, 1], 3), (1, [3, 5], 2), (20, [2, 6, 4, 3], 4)],
+    3: [(11, [5, 3, 7], 3), (17, [4, 6, 2, 2, 5, 1], 6), (1, [2, 4, 3], 3)],
+}
+WORST = [0.0]
+
+
+def rel(actual, expected, what):
+    actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    WORST[0] = max(WORST[0], (actual - expected).abs().max().item() / max(expected.abs().max().item(), 1e-300))
+    eq.assert_rel_close(actual, expected, what)
+
+
+def pipeline_backward(model, group: eq.Group, microbatches: int, first: bool) -> float | None:
+    ids, mask = eq.pad(group.suffixes, torch.Generator().manual_seed(1))
+
+    def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return sum(eq.token_loss(logits[r, : len(group.suffixes[i])], group.suffixes[i], group.weights[i])
+                   for r, i in enumerate(rows.tolist()))
+
+    loss = pipeline.train_group(model, group.prefix, ids if first else None, mask, loss_fn, microbatches)
+    return None if loss is None else loss.item()
+
+
+def prepared(family: str, layers: int, modes: set[str]) -> torch.nn.Module:
+    model = build(family, num_hidden_layers=layers).train()
+    if "checkpointing" in modes:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "lora" in modes:
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))
+    return model
+
+
+def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) -> None:
+    dist.init_process_group("gloo")
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    if "no_boundary" in modes:
+        recv = pipeline._Link.recv
+        pipeline._Link.recv = lambda link, like, offset: torch.zeros_like(like) if offset > 0 else \
+            recv(link, like, offset)
+    reference = prepared(family, layers, modes)
+    candidate = pipeline.split_model(prepared(family, layers, modes), rank, stages, bounds)
+    offload = "offload" in modes
+    hf_prefixflow.apply_prefixflow(candidate, offload=offload, prefix_recompute=0.5 if offload else None)
+    names = {n: p for n, p in candidate.named_parameters() if p.requires_grad}
+    assert names and all(n in dict(reference.named_parameters()) for n in names)
+    start = {n: p.detach().clone() for n, p in names.items()}
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-2, momentum=0.9)
+            for m in (reference, candidate)]
+    gen = torch.Generator().manual_seed(0)
+    for step, (length, lengths, microbatches) in enumerate(GROUPS[max(stages, 2)]):
+        group = eq.Group(torch.randint(0, eq.VOCAB, (length,), generator=gen),
+                         [torch.randint(0, eq.VOCAB, (n,), generator=gen) for n in lengths],
+                         [torch.randn(n, generator=gen, dtype=torch.float64) for n in lengths])
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        ref_loss = eq.full_sequence_backward(reference, group)
+        pp_loss = pipeline_backward(candidate, group, microbatches, first=rank == 0)
+        if rank == stages - 1:
+            rel(pp_loss, ref_loss, f"step {step} loss")
+        ref_grads = {n: p.grad for n, p in reference.named_parameters() if n in names}
+        pp_grads = {n: p.grad for n, p in names.items()}
+        assert all(g is not None for g in pp_grads.values()), f"stage {rank}: a parameter got no gradient"
+        for name in names:
+            rel(pp_grads[name], ref_grads[name], f"step {step} grad {name}")
+        for opt in opts:
+            opt.step()
+        for (name, p_ref) in reference.named_parameters():
+            if name in names:
+                rel(names[name] - start[name], p_ref - start[name], f"step {step} update {name}")
+    if offload:
+        assert hf_prefixflow.model.unwrap(candidate)._prefixflow_pool.allocated_bytes > 0, "nothing was offloaded"
+    worst = torch.tensor([WORST[0]], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"max_rel {worst.item():.3e}")
+
+
+if __name__ == "__main__":
+    bounds = [int(b) for b in sys.argv[4].split(",")] if len(sys.argv) > 4 else None
+    main(set(sys.argv[1].split(",")), sys.argv[2], int(sys.argv[3]), bounds)
+    finish_worker()
