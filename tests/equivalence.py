@@ -31,6 +31,13 @@ def random_group(gen: torch.Generator, prefix=(2, 24), suffix=(1, 9), n=(1, 6)) 
     return Group(prefix_ids, suffixes, weights)
 
 
+def drawn_group(gen: torch.Generator, prefix_length: int, suffix_lengths: list[int]) -> Group:
+    """A group of given lengths with random tokens and per-token weights."""
+    return Group(torch.randint(0, VOCAB, (prefix_length,), generator=gen),
+                 [torch.randint(0, VOCAB, (n,), generator=gen) for n in suffix_lengths],
+                 [torch.randn(n, generator=gen, dtype=torch.float64) for n in suffix_lengths])
+
+
 def random_plan(gen: torch.Generator, count: int, layouts=("padded", "packed")) -> list[tuple[str, list[int]]]:
     """Split suffix indices into waves of random sizes and random layouts, in random order."""
     order = torch.randperm(count, generator=gen).tolist()

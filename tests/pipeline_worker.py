@@ -81,9 +81,7 @@ def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) ->
             for m in (reference, candidate)]
     gen = torch.Generator().manual_seed(0)
     for step, (length, lengths, microbatches) in enumerate(GROUPS[max(stages, 2)]):
-        group = eq.Group(torch.randint(0, eq.VOCAB, (length,), generator=gen),
-                         [torch.randint(0, eq.VOCAB, (n,), generator=gen) for n in lengths],
-                         [torch.randn(n, generator=gen, dtype=torch.float64) for n in lengths])
+        group = eq.drawn_group(gen, length, lengths)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         ref_loss = eq.full_sequence_backward(reference, group)

@@ -71,9 +71,7 @@ def main(mode: str) -> None:
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (reference, candidate)]
     gen = torch.Generator().manual_seed(0)
     for step, (length, lengths, waves) in enumerate(GROUPS):
-        group = eq.Group(torch.randint(0, eq.VOCAB, (length,), generator=gen),
-                         [torch.randint(0, eq.VOCAB, (n,), generator=gen) for n in lengths],
-                         [torch.randn(n, generator=gen, dtype=torch.float64) for n in lengths])
+        group = eq.drawn_group(gen, length, lengths)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         ref_loss = eq.full_sequence_backward(reference, group)
