@@ -131,10 +131,10 @@ def baseline_group(stage, rank, stages, prompt, completions, mask, loss_fn, micr
     ids = torch.cat([prompt.expand(rows, -1), completions], dim=1)
     full_mask = torch.cat([torch.ones_like(ids[:, : len(prompt)]), mask], dim=1)
     batch, hidden = rows // microbatches, stage.config.hidden_size
-    boundary = torch.empty(batch, width, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    boundary = torch.empty(batch, width, hidden, dtype=torch.bfloat16, device="meta", requires_grad=True)
     first, last = rank == 0, rank == stages - 1
-    inputs = ids[:batch] if first else boundary
-    outputs = torch.empty(batch, width, stage.config.vocab_size, dtype=torch.bfloat16, device=device) if last \
+    inputs = torch.empty(batch, width, dtype=torch.long, device="meta") if first else boundary
+    outputs = torch.empty(batch, width, stage.config.vocab_size, dtype=torch.bfloat16, device="meta") if last \
         else boundary
     pipe = PipelineStage(_FullRows(stage, first, last), rank, stages, device, input_args=(inputs,),
                          output_args=(outputs,))

@@ -5,13 +5,17 @@
 Every rank trains a full-sequence reference of the whole model alone and its stage under PrefixFlow on the same
 groups, then checks its own parameters: loss (last stage), every gradient and the weights after each SGD step.
 MODES, comma-separated: `plain`; `offload` (the host pool, recomputing half the prefix layers); `checkpointing`
-(non-reentrant, on both models); `lora` (both models under the same LoRA adapters); or a deliberately broken
-`no_boundary` (Phase C drops the gradient coming back from the next stage), which must fail. Rank 0 prints
-`max_rel <worst relative error>` over all ranks.
+(non-reentrant, on both models); `lora` (both models under the same LoRA adapters); `refusals` (first, bad groups
+that must raise on every rank and leave the pipeline in step); `stage_local` (the last stage finishes its Phase A only
+once the first stage has run a suffix wave: it would wait forever if a stage's Phase B waited for later stages'
+Phase A); or a deliberately broken `no_boundary` (Phase C drops the gradient coming back from the next stage), which
+must fail. Rank 0 prints `max_rel <worst relative error>` over all ranks.
 """
 
 import os
+import re
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,7 @@ from models import build  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 import hf_prefixflow  # noqa: E402
+from hf_prefixflow import PrefixFlowError  # noqa: E402
 from hf_prefixflow.distributed import pipeline  # noqa: E402
 
 # (prefix length, suffix lengths, microbatches) per stage count: uneven suffixes are right-padded to one width;
@@ -52,6 +57,48 @@ def pipeline_backward(model, group: eq.Group, microbatches: int, first: bool) ->
     return None if loss is None else loss.item()
 
 
+def check_refusals(model, rank: int, stages: int) -> None:
+    """Bad groups, some bad on one rank only: every rank raises the same way."""
+    ids, mask = torch.zeros(2 * stages, 3, dtype=torch.long), torch.ones(2 * stages, 3, dtype=torch.long)
+    prompt = torch.arange(6)
+    cases = [  # (prompt, suffix ids, mask, microbatches) on this rank, the message every rank must raise
+        ((prompt, ids if rank else None, mask, stages), "first stage needs suffix_ids|another pipeline stage refused"),
+        ((prompt, ids, mask, stages + 1), "equal microbatches, at least one per stage"),
+        ((prompt[: 5 + rank], ids, mask, stages), "different groups"),
+        ((prompt, ids, mask, stages * (1 + (rank == 0))), "different groups"),
+    ]
+    for (prompt_ids, suffix_ids, attention_mask, microbatches), message in cases:
+        try:
+            pipeline.train_group(model, prompt_ids, suffix_ids, attention_mask, lambda logits, r: logits.sum(),
+                                 microbatches)
+        except PrefixFlowError as error:
+            assert re.search(message, str(error)), str(error)
+        else:
+            raise AssertionError(f"stage {rank}: no error for {message}")
+
+
+def wait_for_first_wave(marker: str, rank: int, stages: int) -> None:
+    """The first stage marks its first suffix wave; the last stage's Phase A waits for that mark."""
+    forward, phase_a = pipeline._WaveStage.forward, pipeline._phase_a
+
+    def marking(self, *args, **kwargs):
+        open(marker, "a").close()
+        return forward(self, *args, **kwargs)
+
+    def waiting(*args, **kwargs):
+        phase_a(*args, **kwargs)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "the first stage never started Phase B before the last ended Phase A"
+            time.sleep(0.01)
+        os.remove(marker)
+
+    if rank == 0:
+        pipeline._WaveStage.forward = marking
+    if rank == stages - 1:
+        pipeline._phase_a = waiting
+
+
 def prepared(family: str, layers: int, modes: set[str]) -> torch.nn.Module:
     model = build(family, num_hidden_layers=layers).train()
     if "checkpointing" in modes:
@@ -70,10 +117,14 @@ def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) ->
         recv = pipeline._Link.recv
         pipeline._Link.recv = lambda link, like, offset: torch.zeros_like(like) if offset > 0 else \
             recv(link, like, offset)
+    if "stage_local" in modes:
+        wait_for_first_wave(os.path.join(os.environ["PIPELINE_TMP"], "first_wave"), rank, stages)
     reference = prepared(family, layers, modes)
     candidate = pipeline.split_model(prepared(family, layers, modes), rank, stages, bounds)
     offload = "offload" in modes
     hf_prefixflow.apply_prefixflow(candidate, offload=offload, prefix_recompute=0.5 if offload else None)
+    if "refusals" in modes:
+        check_refusals(candidate, rank, stages)
     names = {n: p for n, p in candidate.named_parameters() if p.requires_grad}
     assert names and all(n in dict(reference.named_parameters()) for n in names)
     start = {n: p.detach().clone() for n, p in names.items()}

@@ -31,10 +31,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from ..attention import PASS_KWARG, PrefixPass
 from ..errors import PrefixFlowError
 from ..model import decoder_of, unwrap
-from ..recompute import decoder_layers
 from ..scheduler import GroupSession, PrefixGroup
 
-PREFIX_TAG = 7  # Phase A/C messages, apart from the schedule's own
+# Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,
+# which both ends share (Phase A, then the schedule's, then Phase C).
+PREFIX_TAG = 7
 # The last stage's logits only feed the loss; torch 2.13 can be told not to keep every microbatch's to the end.
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(Schedule1F1B.step).parameters else {}
 
@@ -170,7 +171,34 @@ class _WaveStage(torch.nn.Module):
         ids = inputs if group.is_first else torch.zeros_like(attention_mask, dtype=torch.long)
         group.incoming = None if group.is_first else inputs
         out = group(ids, attention_mask=attention_mask)
-        return out.logits if group.is_last else out[0]
+        if group.is_last:
+            return out.logits
+        return _checked_hidden(group, out[0], (*attention_mask.shape, _hidden_size(group)))
+
+
+class _VotelessStage(PipelineStage):
+    """A stage whose every shape is given. At a schedule's first step torch 2.13 still polls every stage on that (a
+    round trip from the first stage to the last and back), which would hold each stage's Phase B until every later
+    stage had finished its Phase A; each stage answers for itself instead, as all would: shapes given, no DTensors."""
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+
+def _hidden_size(group: StageGroup) -> int:
+    return group._inner.config.get_text_config().hidden_size
+
+
+def _checked_hidden(group: StageGroup, hidden: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Hidden states about to go to the next stage, which expects them in the model's dtype: NCCL would not say."""
+    if hidden.dtype != group._inner.dtype or tuple(hidden.shape) != shape:
+        raise PrefixFlowError(f"stage {group.stage_index} made hidden states {tuple(hidden.shape)} in {hidden.dtype}; "
+                              f"the next stage expects {shape} in the model's dtype {group._inner.dtype}. Keep the "
+                              "residual stream in the weights' dtype (autocast over fp32 weights does).")
+    return hidden
 
 
 def train_group(
@@ -186,19 +214,49 @@ def train_group(
     if not torch.is_grad_enabled():
         raise PrefixFlowError("pipeline.train_group trains: call it with gradients enabled.")
     stage = StageGroup(model, prefix_ids)
-    rows = attention_mask.shape[0]
-    if microbatches < stage.num_stages or rows % microbatches:
-        raise PrefixFlowError(f"{rows} completions in {microbatches} microbatches over {stage.num_stages} stages: "
-                              "1F1B needs equal microbatches, at least one per stage; pass a divisor of the group "
-                              "size of at least the number of stages.")
-    if stage.is_first and (suffix_ids is None or suffix_ids.shape != attention_mask.shape):
-        raise PrefixFlowError("the first stage needs suffix_ids of the attention mask's shape [N, S].")
+    _agree(stage, suffix_ids, attention_mask, microbatches, group)
     link = _Link(stage.stage_index, group)
     with GroupSession(model) as session:
         _phase_a(session, stage, link)
         losses = _phase_b(stage, suffix_ids, attention_mask, loss_fn, microbatches, group)
         _phase_c(session, stage, link)
-    return torch.stack(losses).sum() if stage.is_last else None
+    return torch.stack(losses).sum().detach() if stage.is_last else None
+
+
+def _problem(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microbatches: int, group) -> str | None:
+    """What is wrong with this stage's inputs, if anything."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (size, rank) != (stage.num_stages, stage.stage_index):
+        return (f"this is stage {stage.stage_index} of {stage.num_stages} but rank {rank} of a process group of "
+                f"{size}: pass group= the pipeline's own group, its rank s holding stage s.")
+    rows = attention_mask.shape[0]
+    if attention_mask.dim() != 2 or microbatches < stage.num_stages or rows % microbatches:
+        return (f"{rows} completions in {microbatches} microbatches over {stage.num_stages} stages: 1F1B needs "
+                "equal microbatches, at least one per stage; pass a divisor of the group size of at least the "
+                "number of stages, and a mask [N, S].")
+    if stage.is_first and (suffix_ids is None or suffix_ids.shape != attention_mask.shape):
+        return "the first stage needs suffix_ids of the attention mask's shape [N, S]."
+    return None
+
+
+def _agree(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microbatches: int, group) -> None:
+    """Each stage checks its inputs, then all of them compare notes (one all_gather), so that a bad group raises on
+    every rank: an error on one alone would leave its neighbours waiting for its messages."""
+    if not dist.is_initialized():
+        raise PrefixFlowError("pipeline.train_group runs one process per stage: initialise torch.distributed first "
+                              "(torchrun, then dist.init_process_group).")
+    problem = _problem(stage, suffix_ids, attention_mask, microbatches, group)
+    facts = [problem is None, stage.stage_index, stage.prefix_ids.shape[1], *attention_mask.shape[:2], microbatches]
+    mine = torch.tensor(facts, dtype=torch.long, device=stage.prefix_ids.device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    if problem is not None:
+        raise PrefixFlowError(problem)
+    if not all(g[0] for g in gathered):
+        raise PrefixFlowError("another pipeline stage refused this group (its error says why); none trains it.")
+    if any(not torch.equal(g[2:], mine[2:]) for g in gathered):
+        raise PrefixFlowError("the pipeline stages were given different groups (prompt length, completions or "
+                              "microbatches): every rank passes the same prompt ids, completion mask and microbatches.")
 
 
 class _Link:
@@ -223,13 +281,13 @@ class _Link:
 def _phase_a(session: GroupSession, stage: StageGroup, link: _Link) -> None:
     """Receive the prefix hidden states (later stages), run this stage's prefix forward, send its output on."""
     passes = stage.cache.prefix_length > 0
+    shape = (1, stage.cache.prefix_length, _hidden_size(stage))
     if passes and not stage.is_first:
-        shape = (1, stage.cache.prefix_length, stage._inner.config.get_text_config().hidden_size)
         like = torch.empty(shape, dtype=stage._inner.dtype, device=stage.prefix_ids.device)
         stage.incoming = link.recv(like, -1).requires_grad_()
     session.add(stage)
     if passes and not stage.is_last:
-        link.send(stage.prefix_output.detach(), +1)
+        link.send(_checked_hidden(stage, stage.prefix_output, shape).detach(), +1)
     stage.prefix_input, stage.incoming = stage.incoming, None
 
 
@@ -237,22 +295,31 @@ def _phase_b(stage: StageGroup, suffix_ids, attention_mask, loss_fn, microbatche
     """The waves as microbatches of a 1F1B schedule over this stage (shapes given, so torch infers nothing)."""
     rows, length = attention_mask.shape
     batch = rows // microbatches
-    config = stage._inner.config.get_text_config()
     device = stage.prefix_ids.device
-    hidden = torch.empty(batch, length, config.hidden_size, dtype=stage._inner.dtype, device=device,
+    # Shapes only (meta tensors): the receive buffers are torch's. Gradients flow back along the hidden states.
+    hidden = torch.empty(batch, length, _hidden_size(stage), dtype=stage._inner.dtype, device="meta",
                          requires_grad=True)
-    inputs = torch.zeros(batch, length, dtype=torch.long, device=device) if stage.is_first else hidden
-    outputs = torch.empty(batch, length, config.vocab_size, dtype=stage._inner.dtype, device=device) \
-        if stage.is_last else hidden
-    pipe = PipelineStage(_WaveStage(stage), stage.stage_index, stage.num_stages, device, input_args=(inputs,),
-                         output_args=(outputs,), group=group)
+    inputs = torch.empty(batch, length, dtype=torch.long, device="meta") if stage.is_first else hidden
+    vocab = stage._inner.config.get_text_config().vocab_size
+    outputs = torch.empty(batch, length, vocab, dtype=_logits_dtype(stage), device="meta") if stage.is_last else hidden
+    pipe = _VotelessStage(_WaveStage(stage), stage.stage_index, stage.num_stages, device, input_args=(inputs,),
+                          output_args=(outputs,), group=group)
     losses: list[torch.Tensor] = []
     schedule = Schedule1F1B(pipe, microbatches, loss_fn=loss_fn, scale_grads=False)
     index = torch.arange(rows, device=device)
     args = (suffix_ids,) if stage.is_first else ()
     target = {"target": index, "losses": losses} if stage.is_last else {}
     schedule.step(*args, attention_mask=attention_mask, **target, **_NO_OUTPUTS)
+    stage.incoming = None  # the last microbatch's received hidden states and their gradient
     return losses
+
+
+def _logits_dtype(stage: StageGroup) -> torch.dtype:
+    """The LM head's output dtype (torch 2.11 checks the last stage's output against the one declared)."""
+    device_type = stage.prefix_ids.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return stage._inner.lm_head.weight.dtype
 
 
 def _phase_c(session: GroupSession, stage: StageGroup, link: _Link) -> None:
