@@ -13,13 +13,15 @@ the loss (last stage), every gradient before the step, every weight after.
 Time (the Qwen3-1.7B shape, untied, bf16 weights, gradients only): one group of a P-token prompt and N completions
 of S tokens, median of `--repeats` after a warm-up, three ways on the same stages: the baseline, `[P || S_i]` rows
 through the same 1F1B schedule (`--baseline-rows` per microbatch); PrefixFlow with stage-local phase switching
-(`train_group`); and PrefixFlow with a global barrier before and after Phase B (the paper's Claim 1.3 contrast).
+(`train_group`) at each of `--waves` completions per microbatch; and each of those with a global barrier before and
+after Phase B (the paper's Claim 1.3 contrast). The FLOP bound of `hf_prefixflow.flops` goes beside them.
 Writes `gpu_pipeline.json` and `.md` under --out (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -33,6 +35,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow.distributed import pipeline
+from hf_prefixflow.flops import ModelShape
 
 TOLERANCE = "|x-y| <= 1e-3 + 1e-2*max(|x|,|y|)"
 SHAPES = {  # name -> Qwen3Config overrides
@@ -53,14 +56,17 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Modu
     return model.train()
 
 
-def random_group(step: int, vocab: int, prefix: tuple[int, int], n: int, suffix: int, device):
-    """The same group on every rank: prompt, right-padded completions, their mask and advantages."""
+def random_group(step: int, vocab: int, prefix: tuple[int, int], n: int, suffix: int, device, ragged=True):
+    """The same group on every rank: prompt, right-padded completions (all `suffix` long unless ragged), their mask
+    and advantages."""
     gen = torch.Generator().manual_seed(step)
     length = int(torch.randint(prefix[0], prefix[1] + 1, (1,), generator=gen))
     prompt = torch.randint(0, vocab, (length,), generator=gen)
     completions = torch.randint(0, vocab, (n, suffix), generator=gen)
     lengths = torch.randint(max(1, suffix // 4), suffix + 1, (n,), generator=gen)
     lengths[0] = suffix
+    if not ragged:
+        lengths[:] = suffix
     mask = (torch.arange(suffix)[None] < lengths[:, None]).long()
     return [t.to(device) for t in (prompt, completions, mask, torch.randn(n, generator=gen))]
 
@@ -163,7 +169,7 @@ def speed(args, rank: int, stages: int, device) -> dict:
     model = build(args.shape_speed, device, torch.bfloat16)
     stage = hf_prefixflow.apply_prefixflow(pipeline.split_model(model, rank, stages))
     prompt, completions, mask, advantages = random_group(
-        0, stage.config.vocab_size, (args.prefix, args.prefix), args.n, args.suffix, device)
+        0, stage.config.vocab_size, (args.prefix, args.prefix), args.n, args.suffix, device, ragged=False)
     loss_fn = group_loss(completions, mask, advantages)
     ids = completions if rank == 0 else None
     phase_b = pipeline._phase_b
@@ -174,10 +180,10 @@ def speed(args, rank: int, stages: int, device) -> dict:
         dist.barrier()
         return out
 
-    def run_prefixflow(barrier: bool):
+    def run_prefixflow(wave: int, barrier: bool):
         pipeline._phase_b = barriered if barrier else phase_b
         try:
-            pipeline.train_group(stage, prompt, ids, mask, loss_fn, args.n // args.wave)
+            pipeline.train_group(stage, prompt, ids, mask, loss_fn, args.n // wave)
         finally:
             pipeline._phase_b = phase_b
         stage.zero_grad(set_to_none=True)
@@ -186,13 +192,16 @@ def speed(args, rank: int, stages: int, device) -> dict:
         baseline_group(stage, rank, stages, prompt, completions, mask, loss_fn, args.n // args.baseline_rows, device)
         stage.zero_grad(set_to_none=True)
 
+    runs = [("baseline", run_baseline)] + [
+        (f"prefixflow_wave{wave}{'_barrier' * barrier}", functools.partial(run_prefixflow, wave, barrier))
+        for wave in args.waves for barrier in (False, True)]
     result = {}
-    for name, run in (("baseline", run_baseline), ("prefixflow", lambda: run_prefixflow(False)),
-                      ("prefixflow_barrier", lambda: run_prefixflow(True))):
+    for name, run in runs:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = timed(run, args.repeats, device)
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0])
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
+                            device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         result[name] = {"times_s": times, "median_s": statistics.median(times), "peak_gib_max_stage": peak.item()}
     return result
@@ -216,10 +225,17 @@ def report(out: pathlib.Path, meta: dict, rows: list[dict], timing: dict) -> Non
         lines.append(f"| {name} | {t['median_s']:.3f} | {', '.join(f'{x:.3f}' for x in t['times_s'])} "
                      f"| {t['peak_gib_max_stage']:.1f} |")
     base = timing["baseline"]["median_s"]
-    lines += ["", f"PrefixFlow speedup over the baseline: {base / timing['prefixflow']['median_s']:.2f}x; with "
-              f"global barriers: {base / timing['prefixflow_barrier']['median_s']:.2f}x"]
+    lines += ["", f"FLOP bound {meta['flop_bound']:.2f}x. Speedups over the baseline: " + ", ".join(
+        f"{name} {base / t['median_s']:.2f}x" for name, t in timing.items() if name != "baseline")]
     (out / "gpu_pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+
+
+def flop_bound(args) -> float:
+    """Full-sequence FLOPs over PrefixFlow's for the timed group (`hf_prefixflow.flops`)."""
+    shape = ModelShape.from_config(Qwen3Config(**SHAPES[args.shape_speed], tie_word_embeddings=False))
+    suffixes = [args.suffix] * args.n
+    return shape.full_sequence(args.prefix, suffixes) / shape.prefixflow(args.prefix, suffixes)
 
 
 def main() -> None:
@@ -230,7 +246,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=10240)
     parser.add_argument("--suffix", type=int, default=2048)
     parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--wave", type=int, default=4, help="completions per PrefixFlow microbatch")
+    parser.add_argument("--waves", type=lambda v: [int(w) for w in v.split(",")], default=[1, 2, 4],
+                        help="completions per PrefixFlow microbatch, each size timed")
     parser.add_argument("--baseline-rows", type=int, default=1, help="[P || S_i] rows per baseline microbatch")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -253,8 +270,8 @@ def main() -> None:
         meta = {"stages": stages, "device": torch.cuda.get_device_name(device) if cuda else "CPU",
                 "precision": "fp32 weights, bf16 autocast" if cuda else "fp32",
                 "torch": torch.__version__, "speed_setting": f"{args.shape_speed}, P={args.prefix}, S={args.suffix}, "
-                f"N={args.n}, PrefixFlow {args.wave} per microbatch, baseline {args.baseline_rows} row(s) per "
-                f"microbatch, median of {args.repeats}"}
+                f"N={args.n}, baseline {args.baseline_rows} row(s) per microbatch, median of {args.repeats}",
+                "flop_bound": flop_bound(args)}
         report(pathlib.Path(args.out), meta, sorted(sum(gathered, []), key=lambda r: (r["step"], r["stage"])), timing)
     dist.destroy_process_group()
 
