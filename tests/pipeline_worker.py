@@ -8,8 +8,10 @@ MODES, comma-separated: `plain`; `offload` (the host pool, recomputing half the 
 (non-reentrant, on both models); `lora` (both models under the same LoRA adapters); `refusals` (first, bad groups
 that must raise on every rank and leave the pipeline in step); `stage_local` (the last stage finishes its Phase A only
 once the first stage has run a suffix wave: it would wait forever if a stage's Phase B waited for later stages'
-Phase A); or a deliberately broken `no_boundary` (Phase C drops the gradient coming back from the next stage), which
-must fail. Rank 0 prints `max_rel <worst relative error>` over all ranks.
+Phase A); `dp2` (two pipeline replicas over the processes, each training its own groups, gradients summed over
+each stage's replicas; the reference trains both replicas' groups); or a deliberately broken `no_boundary` (Phase C
+drops the gradient coming back from the next stage), which must fail. Rank 0 prints `max_rel <worst relative error>`
+over all ranks.
 """
 
 import os
@@ -30,6 +32,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 import hf_prefixflow  # noqa: E402
 from hf_prefixflow import PrefixFlowError  # noqa: E402
 from hf_prefixflow.distributed import pipeline  # noqa: E402
+from hf_prefixflow.distributed.data_parallel import reduce_trainable_gradients  # noqa: E402
 
 # (prefix length, suffix lengths, microbatches) per stage count: uneven suffixes are right-padded to one width;
 # P=1 caches nothing.
@@ -46,14 +49,14 @@ def rel(actual, expected, what):
     eq.assert_rel_close(actual, expected, what)
 
 
-def pipeline_backward(model, group: eq.Group, microbatches: int, first: bool) -> float | None:
+def pipeline_backward(model, group: eq.Group, microbatches: int, first: bool, pp_group=None) -> float | None:
     ids, mask = eq.pad(group.suffixes, torch.Generator().manual_seed(1))
 
     def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return sum(eq.token_loss(logits[r, : len(group.suffixes[i])], group.suffixes[i], group.weights[i])
                    for r, i in enumerate(rows.tolist()))
 
-    loss = pipeline.train_group(model, group.prefix, ids if first else None, mask, loss_fn, microbatches)
+    loss = pipeline.train_group(model, group.prefix, ids if first else None, mask, loss_fn, microbatches, pp_group)
     return None if loss is None else loss.item()
 
 
@@ -110,9 +113,23 @@ def prepared(family: str, layers: int, modes: set[str]) -> torch.nn.Module:
     return model
 
 
+def process_groups(replicas: int) -> tuple[int, int, object, object]:
+    """Stage index, stage count, this rank's pipeline group and its data-parallel group (replicas of its stage);
+    one pipeline on the whole world: (rank, world, None, None)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if replicas == 1:
+        return rank, world, None, None
+    stages = world // replicas
+    pipelines = [dist.new_group(list(range(r * stages, (r + 1) * stages))) for r in range(replicas)]
+    replicas_of = [dist.new_group(list(range(s, world, stages))) for s in range(stages)]
+    return rank % stages, stages, pipelines[rank // stages], replicas_of[rank % stages]
+
+
 def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) -> None:
     dist.init_process_group("gloo")
-    rank, stages = dist.get_rank(), dist.get_world_size()
+    replicas = 2 if "dp2" in modes else 1
+    rank, stages, pp_group, dp_group = process_groups(replicas)
+    replica = dist.get_rank() // stages
     if "no_boundary" in modes:
         recv = pipeline._Link.recv
         pipeline._Link.recv = lambda link, like, offset: torch.zeros_like(like) if offset > 0 else \
@@ -132,13 +149,15 @@ def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) ->
             for m in (reference, candidate)]
     gen = torch.Generator().manual_seed(0)
     for step, (length, lengths, microbatches) in enumerate(GROUPS[max(stages, 2)]):
-        group = eq.drawn_group(gen, length, lengths)
+        groups = [eq.drawn_group(gen, length, lengths) for _ in range(replicas)]  # one per pipeline replica
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        ref_loss = eq.full_sequence_backward(reference, group)
-        pp_loss = pipeline_backward(candidate, group, microbatches, first=rank == 0)
+        ref_losses = [eq.full_sequence_backward(reference, group) for group in groups]
+        pp_loss = pipeline_backward(candidate, groups[replica], microbatches, rank == 0, pp_group)
+        if dp_group is not None:  # the replicas' gradients summed, as the reference's over all groups
+            reduce_trainable_gradients(candidate, dp_group)
         if rank == stages - 1:
-            rel(pp_loss, ref_loss, f"step {step} loss")
+            rel(pp_loss, ref_losses[replica], f"step {step} loss")
         ref_grads = {n: p.grad for n, p in reference.named_parameters() if n in names}
         pp_grads = {n: p.grad for n, p in names.items()}
         assert all(g is not None for g in pp_grads.values()), f"stage {rank}: a parameter got no gradient"
@@ -153,7 +172,7 @@ def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) ->
         assert hf_prefixflow.model.unwrap(candidate)._prefixflow_pool.allocated_bytes > 0, "nothing was offloaded"
     worst = torch.tensor([WORST[0]], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"max_rel {worst.item():.3e}")
 
 

@@ -15,7 +15,7 @@ from models import build
 @pytest.mark.parametrize("modes, family, layers, bounds, stages", [
     ("plain,refusals,stage_local", "qwen3", "4", None, 2),
     ("checkpointing,refusals,stage_local", "mistral", "5", "0,1,4,5", 3),  # sliding windows, uneven stages
-    ("lora,checkpointing,offload", "qwen3", "4", None, 2),
+    ("lora,checkpointing,offload,dp2", "qwen3", "4", None, 4),  # two pipeline replicas of two stages
 ])
 def test_pipeline_matches_one_process(modes, family, layers, bounds, stages, tmp_path, monkeypatch):
     """Loss, every gradient and the weights after 3-4 SGD steps on every stage; prompts and completions of random

@@ -16,7 +16,9 @@ the last. For one group (paper section 4.6, stage-local phase switching):
 Every rank of the pipeline passes the same prompt ids and completion mask (the first stage also reads the ids);
 `loss_fn(logits, rows)` runs on the last stage per microbatch, `rows` indexing the group's completions, and the
 losses are summed, not averaged, so gradients equal the full-sequence sum exactly. Each stage's parameters keep
-their names in the full model, so the stages' state dicts together are the full model's.
+their names in the full model, so the stages' state dicts together are the full model's. Pipeline replicas (data
+parallel) each pass their own process group as `group`, then reduce each stage's gradients over its replicas
+(`data_parallel.reduce_trainable_gradients`).
 """
 
 from __future__ import annotations
