@@ -183,7 +183,7 @@ def host_pool_bytes(bench: Bench) -> int:
     """Host bytes behind the model's offload pool; pinned buffers come from torch's host allocator, which rounds
     every request up to a power of two."""
     pool = unwrap(bench.model)._prefixflow_pool
-    sizes = [size for size, buffers in pool.free.items() for _ in buffers]
+    sizes = [buffer.numel() for buffer in pool.free]
     return sum(1 << (size - 1).bit_length() for size in sizes) if pool.pin else sum(sizes)
 
 

@@ -18,10 +18,13 @@ only their inputs (and attention outputs) leave the device, and Phase C recomput
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 # Prefetch the saves of this many decoder layers ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
@@ -30,22 +33,44 @@ MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the mem
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
 class HostPool:
-    """Host buffers reused across groups (pinned when the device is an accelerator), keyed by byte size."""
+    """Host buffers reused across groups (pinned when the device is an accelerator), and the copy stream per device.
+
+    A tensor takes the smallest free buffer that holds it, if it fills at least half of it; `trim` frees the buffers
+    no tensor took since the last trim. So prompts of changing lengths neither reallocate the pool every group nor
+    grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
+    stream, and a new stream per group would strand each group's blocks in another stream's cache."""
 
     def __init__(self, pin: bool):
         self.pin = pin
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.allocated_bytes = 0
+        self.free: list[torch.Tensor] = []  # by size
+        self.allocated_bytes = 0  # every buffer the pool owns, taken or free
+        self._taken: set[int] = set()  # ids of the buffers taken since the last trim
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def take(self, nbytes: int) -> torch.Tensor:
-        stack = self.free.get(nbytes)
-        if stack:
-            return stack.pop()
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        """A buffer of at least `nbytes` (and at most twice that)."""
+        index = bisect.bisect_left(self.free, nbytes, key=torch.Tensor.numel)
+        if index < len(self.free) and self.free[index].numel() <= 2 * nbytes:
+            buffer = self.free.pop(index)
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.allocated_bytes += nbytes
+        self._taken.add(id(buffer))
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        self.free.setdefault(buffer.numel(), []).append(buffer)
+        bisect.insort(self.free, buffer, key=torch.Tensor.numel)
+
+    def trim(self) -> None:
+        """Free the buffers no tensor took since the last trim."""
+        kept = [b for b in self.free if id(b) in self._taken]
+        self.allocated_bytes -= sum(b.numel() for b in self.free) - sum(b.numel() for b in kept)
+        self.free, self._taken = kept, set()
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
 
 @dataclass(eq=False)
@@ -54,11 +79,14 @@ class Offloaded:
 
     index: int
     layer: int  # attention layers the prefix forward had run when this was saved
-    host: torch.Tensor  # uint8 bytes
+    buffer: torch.Tensor  # the pool's uint8 buffer
+    host: torch.Tensor  # its first bytes, this tensor's
     shape: torch.Size
     stride: tuple[int, ...]  # the saved tensor's layout, restored with it
     dtype: torch.dtype
     device: torch.device
+    source: weakref.ref  # the saved tensor's base: modified in place before Phase C, the copy would be stale
+    version: int
     copied: object = None  # event that marks the device-to-host copy done
     device_copy: torch.Tensor | None = None
     ready: object = None  # event that marks the host-to-device copy done
@@ -76,8 +104,9 @@ class Offloaded:
 
 def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
     """The strides a restored copy of `tensor` gets: its own when its elements fill their span (any dimension
-    order), else contiguous ones. Kernels may depend on them: cuDNN's attention backward, handed its forward's output
-    in another layout than that forward returned (the query's), returns wrong gradients (on an H200, torch 2.11)."""
+    order), else dense ones in the same dimension order. Kernels may depend on them: cuDNN's attention backward,
+    handed its forward's output in another layout than that forward returned (the query's), returns wrong gradients
+    (on an H200, torch 2.11)."""
     return torch.empty_like(tensor, device="meta").stride()
 
 
@@ -94,8 +123,24 @@ def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     folds it to 2D), which match while the base lives and is unmodified (the version counter)."""
     base = tensor._base if tensor._base is not None else tensor
     key = (id(base), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-           tensor._version)
+           tensor.is_conj(), tensor.is_neg(), tensor._version)
     return base, key
+
+
+@dataclass(eq=False)
+class Stayed:
+    """A saved tensor left where it is, with its version when saved (autograd's own check, which the hooks skip)."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _check_version(saved_version: int, tensor: torch.Tensor | None) -> None:
+    if tensor is not None and tensor._version != saved_version:
+        raise PrefixFlowError(
+            "a tensor the prefix forward saved for its backward was modified by an in-place operation before Phase C "
+            f"(version {saved_version}, now {tensor._version}); autograd refuses this without offload too. Make the "
+            "operation out of place.")
 
 
 class PrefixOffload:
@@ -106,7 +151,7 @@ class PrefixOffload:
         accelerator = self.device.type == "cuda"
         self.pool = pool or HostPool(pin=accelerator)
         self.min_bytes = (MIN_BYTES_ON_ACCELERATOR if accelerator else 0) if min_bytes is None else min_bytes
-        self.stream = torch.cuda.Stream(self.device) if accelerator else None
+        self.stream = self.pool.stream(self.device) if accelerator else None
         self.entries: list[Offloaded] = []
         self.caches: list = []  # training-time KV caches: their live tensors stay; their layer count marks layers
         self.offloaded_bytes = 0
@@ -133,16 +178,17 @@ class PrefixOffload:
             # Detached: a node that saves its own output (rsqrt, softmax) would otherwise hold that output, whose
             # grad_fn is the node itself, a cycle through C++ that Python's collector never frees. Each group would
             # leak the prefix graph's unexecuted tail (the last layer's query path and MLP, recomputed in Phase C).
-            return tensor.detach()
+            return Stayed(tensor.detach(), tensor._version)
         base, key = _identity(tensor)
         seen = self._saved.get(key)
         if seen is not None and seen[0]() is base:  # the same values saved again: share their copy
             seen[1].saves += 1
             return seen[1]
         nbytes = tensor.numel() * tensor.element_size()
-        host = self.pool.take(nbytes)
+        buffer = self.pool.take(nbytes)
         layer = sum(len(cache.layers) for cache in self.caches)
-        entry = Offloaded(len(self.entries), layer, host, tensor.shape, _layout(tensor), tensor.dtype, tensor.device)
+        entry = Offloaded(len(self.entries), layer, buffer, buffer[:nbytes], tensor.shape, _layout(tensor),
+                          tensor.dtype, tensor.device, weakref.ref(base), tensor._version)
         view = entry.host_view()
         if self.stream is None:
             view.copy_(tensor)
@@ -159,8 +205,10 @@ class PrefixOffload:
         return entry
 
     def unpack(self, packed):
-        if not isinstance(packed, Offloaded):
-            return packed
+        if isinstance(packed, Stayed):
+            _check_version(packed.version, packed.tensor)
+            return packed.tensor
+        _check_version(packed.version, packed.source())
         self._prefetch_before(packed.index)  # autograd walks the prefix graph backwards
         if packed.device_copy is None:
             packed.loaded_on_demand = True
@@ -204,8 +252,9 @@ class PrefixOffload:
         if self.stream is not None:
             self.stream.synchronize()
         for entry in self.entries:
-            self.pool.give(entry.host)
+            self.pool.give(entry.buffer)
             entry.device_copy = None
+        self.pool.trim()
         self.entries = []
         self.caches = []
         self._saved = {}

@@ -263,24 +263,35 @@ class AttentionReplay:
         self.layers = layers
         self.offload = offload  # an `offload.PrefixOffload`: `pack` moves a tensor to the host, `unpack` brings it back
         self.kept: dict[int, tuple] = {}
+        self.replayed: set[int] = set()
 
     def attend(self, module: torch.nn.Module, query, key, value, scale: float | None) -> torch.Tensor | None:
         """Causal attention of one prefix `[1, H, P, D]` as `[1, P, Hq, D]`, replayed in this layer's recompute;
-        None when the layer is not recomputed or no kernel returns a log-sum-exp for these tensors."""
-        kernel = split_attention.kernel_for(query, key, value) if module.layer_idx in self.layers else None
+        None when the layer is not recomputed or no kernel returns a log-sum-exp for these tensors. The replay runs
+        the backward of Phase A's kernel, whatever Phase C's context would pick (its state and log-sum-exp are that
+        kernel's)."""
+        layer = module.layer_idx
+        if layer not in self.layers:
+            return None
+        kept = self.kept.get(layer)
+        kernel = kept[-1] if kept is not None else split_attention.kernel_for(query, key, value)
         if kernel is None:
             return None
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        return _ReplayedAttention.apply(query, key, value, scale, kernel, self, module.layer_idx).transpose(1, 2)
+        return _ReplayedAttention.apply(query, key, value, scale, kernel, self, layer).transpose(1, 2)
 
-    def keep(self, layer: int, out: torch.Tensor, lse: torch.Tensor, state: tuple) -> None:
-        self.kept[layer] = (self.offload.pack(out), self.offload.pack(lse), state, out.stride())
+    def keep(self, layer: int, out: torch.Tensor, lse: torch.Tensor, state: tuple, kernel) -> None:
+        if layer in self.replayed:
+            raise PrefixFlowError(f"layer {layer}'s prefix attention ran again after its Phase-C replay: a layer "
+                                  "recomputed twice (or two modules sharing one layer_idx) is not supported.")
+        self.kept[layer] = (self.offload.pack(out), self.offload.pack(lse), state, out.stride(), kernel)
 
     def take(self, layer: int) -> tuple | None:
         kept = self.kept.pop(layer, None)
         if kept is None:
             return None
-        out, lse, state, stride = kept
+        self.replayed.add(layer)
+        out, lse, state, stride, kernel = kept
         return self.offload.unpack(out), self.offload.unpack(lse), state, stride
 
 
@@ -290,7 +301,7 @@ class _ReplayedAttention(torch.autograd.Function):
         kept = replay.take(layer)
         if kept is None:  # Phase A
             out, lse, state = kernel.forward(query, key, value, True, scale)
-            replay.keep(layer, out, lse, state)
+            replay.keep(layer, out, lse, state, kernel)
             stride = out.stride()
         else:  # Phase C's recompute: the inputs are Phase A's, recomputed exactly, so the result is too
             out, lse, state, stride = kept  # `stride`: the layout the kernel returned `out` in, for its backward
@@ -303,5 +314,6 @@ class _ReplayedAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         scale, kernel, state, out_stride = ctx.meta
         out = split_attention.in_layout(out, out_stride)
-        dq, dk, dv = kernel.backward(grad, query, key, value, out, lse, True, scale, state)
+        grad = split_attention.in_layout(grad, out_stride)
+        dq, dk, dv = kernel.backward(grad, query, key, value, out, lse.contiguous(), True, scale, state)
         return dq, dk, dv, None, None, None, None

@@ -192,7 +192,7 @@ class _SplitAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, prefix_key, prefix_value, key, value, out, lse = ctx.saved_tensors
         scale, kernel, shape_p, shape_s, state_p, state_s, out_stride = ctx.meta
-        out = in_layout(out, out_stride)
+        out, grad = in_layout(out, out_stride), in_layout(grad, out_stride)  # cuDNN caches graphs by q/k/v layout
         lse_p = _lse_for(_rows_folded(lse), shape_p)
         dq_p, dk_p, dv_p = kernel.backward(_rows_folded(grad), _rows_folded(query), prefix_key, prefix_value,
                                            _rows_folded(out), lse_p, False, scale, state_p)

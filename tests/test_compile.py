@@ -164,3 +164,30 @@ def test_compiled_recompute_runs_under_phase_a_autocast(fresh_dynamo):
     expected, actual = gradients(offload=False), gradients(offload=True)
     for name, grad in expected.items():  # the paper's bf16 tolerance, relative to the expected value
         torch.testing.assert_close(actual[name], grad, rtol=1e-2, atol=1e-3, msg=name)
+
+
+def test_compiled_recompute_replays_with_phase_a_kernel(fresh_dynamo, monkeypatch):
+    """Phase C's context may pick another attention kernel than Phase A's (a user's `sdpa_kernel` block around the
+    waves only): the replay still runs the backward of the kernel whose output and log-sum-exp it replays."""
+    from hf_prefixflow import split_attention
+
+    gen = torch.Generator().manual_seed(4)
+    group = random_group(gen, prefix=(10, 14), suffix=(3, 5), n=(2, 3))
+    plans = [[("padded", list(range(len(group.suffixes))))]]
+    kernel_for, in_phase_c = split_attention.kernel_for, []
+
+    def another_in_phase_c(query, key, value):
+        kernel = kernel_for(query, key, value)
+        if not in_phase_c or kernel is None:
+            return kernel
+
+        def refuse(*args):
+            raise AssertionError("the replay ran another kernel's backward than Phase A's")
+
+        return split_attention.Kernel("other", kernel.forward, refuse)
+
+    close = hf_prefixflow.GroupSession.close
+    monkeypatch.setattr(split_attention, "kernel_for", another_in_phase_c)
+    monkeypatch.setattr(hf_prefixflow.GroupSession, "close",
+                        lambda self, *a, **k: in_phase_c.append(True) or close(self, *a, **k))
+    train_side_by_side(build("llama", num_hidden_layers=2).train(), [group], plans, prepare=compiled(offload=True))

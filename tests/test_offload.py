@@ -44,7 +44,7 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
     (offload,) = offloads
     assert offload.offloaded_bytes > 0 and not offload.entries
     pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
-    assert sum(len(v) for v in pool.free.values()) > 0 and pool.allocated_bytes >= offload.offloaded_bytes
+    assert pool.free and pool.allocated_bytes >= offload.offloaded_bytes
 
 
 def _recorded_packs(monkeypatch) -> list:
@@ -86,7 +86,7 @@ def test_an_exception_returns_every_buffer():
             raise RuntimeError("boom")
     pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
     assert pool.allocated_bytes > 0 and g.offload.entries == []
-    assert sum(b.numel() for v in pool.free.values() for b in v) == pool.allocated_bytes
+    assert sum(b.numel() for b in pool.free) == pool.allocated_bytes
 
 
 def test_autocast_weight_copies_stay():
@@ -295,7 +295,7 @@ def test_a_group_leaves_no_prefix_graph_behind(share, monkeypatch):
     group = random_group(gen, prefix=(16, 24), n=(2, 3))
     prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
     entries = [weakref.ref(p) for p in packed if isinstance(p, hf_prefixflow.offload.Offloaded)]
-    passed = [p for p in packed if isinstance(p, torch.Tensor)]
+    passed = [p for p in packed if isinstance(p, hf_prefixflow.offload.Stayed)]
     assert entries and passed  # both paths ran
     del packed[:], passed
     gc.collect()
@@ -346,3 +346,57 @@ def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
     assert len(backward_strides) == len(model.model.layers) - 1
     assert set(backward_strides) <= forward_strides and all(
         stride != torch.empty(shape).stride() for shape, stride in forward_shapes)  # a layout the patch would lose
+
+
+def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
+    """Prompts of changing lengths: a tensor takes the smallest free buffer it fills at least half of; buffers no
+    group took since the last trim are freed, so the pool neither grows without bound nor reallocates each group."""
+    pool = hf_prefixflow.offload.HostPool(pin=False)
+    small, large = pool.take(100), pool.take(300)
+    pool.give(large)
+    pool.give(small)
+    pool.trim()
+    assert pool.allocated_bytes == 400 and [b.numel() for b in pool.free] == [100, 300]
+    assert pool.take(80) is small and pool.take(200) is large  # best fit, at most twice the request
+    assert pool.take(90).numel() == 90 and pool.allocated_bytes == 490  # nothing free fits: a new buffer
+    for buffer in (small, large):
+        pool.give(buffer)
+    pool.trim()
+    taken = pool.take(60)
+    assert taken is small
+    pool.give(taken)
+    pool.trim()  # `large` went untaken since the last trim
+    assert [b.numel() for b in pool.free] == [100] and pool.allocated_bytes == 190  # the 90 is still taken
+
+
+def test_groups_of_changing_prompt_lengths_keep_the_pool_bounded():
+    gen = torch.Generator().manual_seed(9)
+    model = hf_prefixflow.apply_prefixflow(build("qwen3").train(), offload=True, prefix_recompute=0.5)
+    sizes = []
+    for length in (24, 20, 23, 17, 24, 21):
+        group = random_group(gen, prefix=(length, length), n=(2, 2))
+        prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+        sizes.append(hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes)
+    assert max(sizes[2:]) <= 2 * sizes[0], sizes  # shorter prompts reuse the first group's buffers
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # copied to the host, or left where it is
+def test_a_saved_tensor_modified_in_place_is_refused(min_bytes):
+    """Autograd refuses a saved tensor modified in place before its backward; the hooks bypass its check, so the
+    offloader makes its own (the host copy would be stale, or on a GPU race the in-place write)."""
+    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"), min_bytes=min_bytes)
+    x = torch.randn(8, requires_grad=True)
+    with offload.hooks():
+        y = x * 2
+        z = y.sin()  # saves y
+    y.add_(0.0)  # an in-place op: y's version moves, its values do not
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match="modified by an in-place operation"):
+        z.sum().backward()
+
+
+def test_conjugate_views_are_not_shared_copies():
+    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    x = torch.randn(4, dtype=torch.complex64)
+    first, second = offload.pack(x), offload.pack(x.conj())
+    assert first is not second
+    assert torch.equal(offload.unpack(second), x.conj()) and torch.equal(offload.unpack(first), x)
