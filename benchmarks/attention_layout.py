@@ -5,8 +5,9 @@
 Offload restores saved tensors on the GPU for Phase C; the replayed attention hands its kernel's backward the
 forward's output and log-sum-exp. This runs each split-attention kernel (cuDNN, flash) forward on one prefix of the
 Qwen3-1.7B attention shape in transformers' layout, then its backward with the same inputs again (the run-to-run
-spread), with the output (and log-sum-exp) made contiguous, with the incoming gradient contiguous too, and with
-q/k/v contiguous, printing each gradient's max |difference| / max |value| against the first backward.
+spread), then with these made contiguous: the output and log-sum-exp; the incoming gradient alone; the log-sum-exp
+alone; the gradient, output and log-sum-exp; q/k/v. It prints each gradient's max |difference| / max |value|
+against the first backward.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
               f"first backward:")
         cases = {"same inputs again": (grad, q, k, v, out, lse),
                  "out and lse contiguous": (grad, q, k, v, out.contiguous(), lse.contiguous()),
+                 "grad contiguous": (grad.contiguous(), q, k, v, out, lse),  # cuDNN's graph cache keys on q/k/v
+                 "lse contiguous": (grad, q, k, v, out, lse.contiguous()),
                  "grad, out and lse contiguous": (grad.contiguous(), q, k, v, out.contiguous(), lse.contiguous()),
                  "q, k, v contiguous": (grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse)}
         for name, inputs in cases.items():
