@@ -35,9 +35,9 @@ PREFETCH_BYTES = 2 << 30
 class HostPool:
     """Host buffers reused across groups (pinned when the device is an accelerator), and the copy stream per device.
 
-    A tensor takes the smallest free buffer that holds it, if it fills at least half of it; `trim` frees the buffers
-    no tensor took since the last trim. So prompts of changing lengths neither reallocate the pool every group nor
-    grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
+    A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
+    (the session's groups all closed), `trim` frees those no tensor took since the last trim. So prompts of changing
+    lengths neither reallocate the pool every group nor grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
     stream, and a new stream per group would strand each group's blocks in another stream's cache."""
 
     def __init__(self, pin: bool):
@@ -45,6 +45,7 @@ class HostPool:
         self.free: list[torch.Tensor] = []  # by size
         self.allocated_bytes = 0  # every buffer the pool owns, taken or free
         self._taken: set[int] = set()  # ids of the buffers taken since the last trim
+        self._out = 0  # buffers taken and not yet given back
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -56,13 +57,18 @@ class HostPool:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             self.allocated_bytes += nbytes
         self._taken.add(id(buffer))
+        self._out += 1
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         bisect.insort(self.free, buffer, key=torch.Tensor.numel)
+        self._out -= 1
 
     def trim(self) -> None:
-        """Free the buffers no tensor took since the last trim."""
+        """Free the buffers no tensor took since the last trim, once all are back: groups closed one by one in a
+        session must not free each other's."""
+        if self._out:
+            return
         kept = [b for b in self.free if id(b) in self._taken]
         self.allocated_bytes -= sum(b.numel() for b in self.free) - sum(b.numel() for b in kept)
         self.free, self._taken = kept, set()

@@ -349,8 +349,9 @@ def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
 
 
 def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
-    """Prompts of changing lengths: a tensor takes the smallest free buffer it fills at least half of; buffers no
-    group took since the last trim are freed, so the pool neither grows without bound nor reallocates each group."""
+    """Prompts of changing lengths: a tensor takes the smallest free buffer it fills at least half of; once every
+    buffer is back, those no tensor took since the last trim are freed, so the pool neither grows without bound nor
+    reallocates each group."""
     pool = hf_prefixflow.offload.HostPool(pin=False)
     small, large = pool.take(100), pool.take(300)
     pool.give(large)
@@ -358,15 +359,38 @@ def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
     pool.trim()
     assert pool.allocated_bytes == 400 and [b.numel() for b in pool.free] == [100, 300]
     assert pool.take(80) is small and pool.take(200) is large  # best fit, at most twice the request
-    assert pool.take(90).numel() == 90 and pool.allocated_bytes == 490  # nothing free fits: a new buffer
-    for buffer in (small, large):
-        pool.give(buffer)
-    pool.trim()
+    extra = pool.take(90)  # nothing free fits: a new buffer
+    assert extra.numel() == 90 and pool.allocated_bytes == 490
+    pool.give(small)
+    pool.give(large)
+    pool.trim()  # `extra` is still out (another group of the session is open): nothing is freed
+    assert pool.allocated_bytes == 490 and len(pool.free) == 2
+    pool.give(extra)
+    pool.trim()  # all three were taken since the last trim
+    assert pool.allocated_bytes == 490
     taken = pool.take(60)
-    assert taken is small
+    assert taken is extra  # the smallest that holds it
     pool.give(taken)
-    pool.trim()  # `large` went untaken since the last trim
-    assert [b.numel() for b in pool.free] == [100] and pool.allocated_bytes == 190  # the 90 is still taken
+    pool.trim()  # `small` and `large` went untaken since the last trim
+    assert [b.numel() for b in pool.free] == [90] and pool.allocated_bytes == 90
+
+
+def test_groups_closed_one_by_one_keep_each_other_s_buffers():
+    gen = torch.Generator().manual_seed(8)
+    model = hf_prefixflow.apply_prefixflow(build("qwen3").train(), offload=True, prefix_recompute=0.5)
+    groups = [random_group(gen, prefix=(18, 18), suffix=(3, 3), n=(2, 2)) for _ in range(2)]
+    pool_bytes, offloaded = [], []
+    for _ in range(2):
+        with hf_prefixflow.GroupSession(model) as session:
+            opened = [session.open(group.prefix) for group in groups]
+            for group, prefix_group in zip(groups, opened):
+                prefix_group(torch.stack(group.suffixes)).logits.sum().backward()
+            for prefix_group in opened:  # closed one by one
+                session.close([prefix_group])
+        pool_bytes.append(hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes)
+        offloaded.append(sum(g.offload.offloaded_bytes for g in opened))
+    assert pool_bytes[0] >= offloaded[0] > 0  # both groups' buffers stay for the next round
+    assert pool_bytes[1] == pool_bytes[0]  # which reuses them
 
 
 def test_groups_of_changing_prompt_lengths_keep_the_pool_bounded():
