@@ -36,8 +36,9 @@ class HostPool:
     """Host buffers reused across groups (pinned when the device is an accelerator), and the copy stream per device.
 
     A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
-    (the session's groups all closed), `trim` frees those no tensor took since the last trim. So prompts of changing
-    lengths neither reallocate the pool every group nor grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
+    (the session's groups all closed), `trim` frees those no tensor took since the last trim (pinned ones go back to
+    torch's pinned-memory cache, which other pinned allocations reuse). So prompts of changing lengths neither
+    reallocate the pool every group nor grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
     stream, and a new stream per group would strand each group's blocks in another stream's cache."""
 
     def __init__(self, pin: bool):
@@ -190,11 +191,12 @@ class PrefixOffload:
         if seen is not None and seen[0]() is base:  # the same values saved again: share their copy
             seen[1].saves += 1
             return seen[1]
-        nbytes = tensor.numel() * tensor.element_size()
-        buffer = self.pool.take(nbytes)
+        nbytes, stride = tensor.numel() * tensor.element_size(), _layout(tensor)
         layer = sum(len(cache.layers) for cache in self.caches)
-        entry = Offloaded(len(self.entries), layer, buffer, buffer[:nbytes], tensor.shape, _layout(tensor),
-                          tensor.dtype, tensor.device, weakref.ref(base), tensor._version)
+        buffer = self.pool.take(nbytes)
+        entry = Offloaded(len(self.entries), layer, buffer, buffer[:nbytes], tensor.shape, stride, tensor.dtype,
+                          tensor.device, weakref.ref(base), tensor._version)
+        self.entries.append(entry)  # from here on `release` returns its buffer, whatever happens next
         view = entry.host_view()
         if self.stream is None:
             view.copy_(tensor)
@@ -205,7 +207,6 @@ class PrefixOffload:
                 tensor.record_stream(self.stream)  # its memory is reused only after the copy
                 entry.copied = torch.cuda.Event()
                 entry.copied.record(self.stream)
-        self.entries.append(entry)
         self._saved[key] = (weakref.ref(base), entry)
         self.offloaded_bytes += nbytes
         return entry

@@ -69,6 +69,10 @@ def check_refusals(model, rank: int, stages: int) -> None:
         ((prompt, ids, mask, stages + 1), "equal microbatches, at least one per stage"),
         ((prompt[: 5 + rank], ids, mask, stages), "different groups"),
         ((prompt, ids, mask, stages * (1 + (rank == 0))), "different groups"),
+        ((prompt + (rank == 0), ids, mask, stages), "different groups"),  # same shapes, other ids
+        ((prompt, ids, torch.cat([mask[:, :1] * 0, mask[:, 1:]], 1) if rank else mask, stages),
+         "right-padded|another pipeline stage refused"),
+        ((prompt, ids, mask[None] if rank == 0 else mask, stages), r"must be \[N, S\]|another pipeline stage refused"),
     ]
     for (prompt_ids, suffix_ids, attention_mask, microbatches), message in cases:
         try:

@@ -397,11 +397,31 @@ def test_groups_of_changing_prompt_lengths_keep_the_pool_bounded():
     gen = torch.Generator().manual_seed(9)
     model = hf_prefixflow.apply_prefixflow(build("qwen3").train(), offload=True, prefix_recompute=0.5)
     sizes = []
-    for length in (24, 20, 23, 17, 24, 21):
+    for length in (24, 20, 23, 17, 24, 21, 8, 7):
         group = random_group(gen, prefix=(length, length), n=(2, 2))
         prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
         sizes.append(hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes)
-    assert max(sizes[2:]) <= 2 * sizes[0], sizes  # shorter prompts reuse the first group's buffers
+    assert max(sizes[2:6]) <= 2 * sizes[0], sizes  # shorter prompts reuse the first group's buffers
+    assert sizes[-1] < sizes[5] / 2, sizes  # prompts under half as long: the long ones' buffers are freed
+
+
+def test_a_failed_pack_still_returns_its_buffer(monkeypatch):
+    pool = hf_prefixflow.offload.HostPool(pin=False)
+    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"), pool)
+    monkeypatch.setattr(hf_prefixflow.offload.Offloaded, "host_view", lambda self: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        offload.pack(torch.randn(4))
+    offload.release()
+    assert pool._out == 0 and len(pool.free) == 1
+
+
+def test_a_layer_replayed_twice_is_refused():
+    replay = hf_prefixflow.recompute.AttentionReplay({0}, hf_prefixflow.offload.PrefixOffload(torch.device("cpu")))
+    out, lse = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4)
+    replay.keep(0, out, lse, (), None)
+    assert torch.equal(replay.take(0)[0], out)
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match="ran again after its Phase-C replay"):
+        replay.keep(0, out, lse, (), None)
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # copied to the host, or left where it is

@@ -231,11 +231,16 @@ def _problem(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microb
     if (size, rank) != (stage.num_stages, stage.stage_index):
         return (f"this is stage {stage.stage_index} of {stage.num_stages} but rank {rank} of a process group of "
                 f"{size}: pass group= the pipeline's own group, its rank s holding stage s.")
+    if attention_mask.dim() != 2:
+        return f"the completion mask must be [N, S], got shape {tuple(attention_mask.shape)}."
+    real = attention_mask.bool()
+    if (real[:, 1:] & ~real[:, :-1]).any():
+        return "completions must be right-padded (mask 1...1 0...0)."
     rows = attention_mask.shape[0]
-    if attention_mask.dim() != 2 or microbatches < stage.num_stages or rows % microbatches:
+    if microbatches < stage.num_stages or rows % microbatches:
         return (f"{rows} completions in {microbatches} microbatches over {stage.num_stages} stages: 1F1B needs "
                 "equal microbatches, at least one per stage; pass a divisor of the group size of at least the "
-                "number of stages, and a mask [N, S].")
+                "number of stages.")
     if stage.is_first and (suffix_ids is None or suffix_ids.shape != attention_mask.shape):
         return "the first stage needs suffix_ids of the attention mask's shape [N, S]."
     return None
@@ -248,7 +253,9 @@ def _agree(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microbat
         raise PrefixFlowError("pipeline.train_group runs one process per stage: initialise torch.distributed first "
                               "(torchrun, then dist.init_process_group).")
     problem = _problem(stage, suffix_ids, attention_mask, microbatches, group)
-    facts = [problem is None, stage.stage_index, stage.prefix_ids.shape[1], *attention_mask.shape[:2], microbatches]
+    shape = tuple(attention_mask.shape) if attention_mask.dim() == 2 else (-1, -1)
+    facts = [problem is None, stage.stage_index, stage.prefix_ids.shape[1], *shape, microbatches,
+             _checksum(stage.prefix_ids), _checksum(attention_mask)]
     mine = torch.tensor(facts, dtype=torch.long, device=stage.prefix_ids.device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -257,8 +264,14 @@ def _agree(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microbat
     if not all(g[0] for g in gathered):
         raise PrefixFlowError("another pipeline stage refused this group (its error says why); none trains it.")
     if any(not torch.equal(g[2:], mine[2:]) for g in gathered):
-        raise PrefixFlowError("the pipeline stages were given different groups (prompt length, completions or "
+        raise PrefixFlowError("the pipeline stages were given different groups (prompt ids, completion mask or "
                               "microbatches): every rank passes the same prompt ids, completion mask and microbatches.")
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    """A position-weighted sum of integer ids: equal groups agree, different ones almost surely not."""
+    flat = tensor.reshape(-1).long()
+    return int((flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum())
 
 
 class _Link:
