@@ -38,8 +38,9 @@ class HostPool:
     A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
     (the session's groups all closed), `trim` frees those no tensor took since the last trim (pinned ones go back to
     torch's pinned-memory cache, which other pinned allocations reuse). So prompts of changing lengths neither
-    reallocate the pool every group nor grow it without bound. One side stream per device for every group: the caching allocator keeps freed blocks per
-    stream, and a new stream per group would strand each group's blocks in another stream's cache."""
+    reallocate the pool every group nor grow it without bound. One side stream per device for every group: the
+    caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's blocks in
+    another stream's cache."""
 
     def __init__(self, pin: bool):
         self.pin = pin

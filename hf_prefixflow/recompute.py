@@ -291,7 +291,7 @@ class AttentionReplay:
         if kept is None:
             return None
         self.replayed.add(layer)
-        out, lse, state, stride, kernel = kept
+        out, lse, state, stride, _ = kept  # the kernel was read by `attend`
         return self.offload.unpack(out), self.offload.unpack(lse), state, stride
 
 
