@@ -11,7 +11,7 @@ suffixes in waves of `--wave` (at one suffix a wave, Phase B is host-bound: its 
 more than the GPU's). Phases are timed by events on the compute stream without synchronising between waves (as a
 training step runs); median of `--repeats` groups after two warm-up groups, the variants interleaved round by round
 (and each group's time against the first variant's in its round); Phase B's peak allocated memory from one more group.
-`--profile B` (or `C`) adds a profile of that phase alone per variant: its kernel time, and the time the compute
+`--profile B` (or `A`, `C`) adds a profile of that phase alone per variant: its kernel time, and the time the compute
 stream had no kernel running. `--compare-gradients V` checks that the variants train alike: each one's gradients
 against variant V's.
 """
@@ -59,7 +59,7 @@ def settings(variant: str) -> Variant:
 
 def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> tuple[float, float, float, float]:
     """One group: Phase A, B and C in ms, and Phase B's peak allocated GiB when `watch` is given: a context (a
-    profiler, or a null context) entered around `phase` ("B" or "C"), the host then waiting for the device around
+    profiler, or a null context) entered around `phase` ("A", "B" or "C"), the host then waiting for the device around
     that phase."""
     setting = settings(variant)
     hf_prefixflow.apply_prefixflow(model, offload=setting.offload, prefix_recompute=setting.recompute)
@@ -70,8 +70,13 @@ def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> t
         gc.disable()
     try:
         scope = hf_prefixflow.prefix_group(model, prompt)
+        if watch is not None:
+            torch.cuda.synchronize()
         start = event()
-        opened = scope.__enter__()
+        with watched("A"):
+            opened = scope.__enter__()
+            if watch is not None:
+                torch.cuda.synchronize()
         if setting.drain or watch is not None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -128,7 +133,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true",
                         help="non-reentrant activation checkpointing in every variant (offload then moves the layer "
                              "inputs that checkpointing keeps, recomputing nothing more)")
-    parser.add_argument("--profile", choices=("B", "C"), help="also profile this phase of each variant")
+    parser.add_argument("--profile", choices=("A", "B", "C"), help="also profile this phase of each variant")
     parser.add_argument("--compare-gradients", metavar="VARIANT",
                         help="also train one group per variant from zero gradients and compare the others' "
                              "gradients with this variant's (kept on the host)")

@@ -8,7 +8,8 @@ Eager layers recompute with the same kernels (torch.utils.checkpoint); torch.com
 inference graph and Phase C as a training graph (with the discarded projection), which inductor may fuse otherwise.
 This trains one group of a small Qwen3-architecture model (head dim 128, bf16) eager and with inductor-compiled
 layers, and per layer compares Phase C's query, key and value with Phase A's, and the kernel's output on them with
-the replayed one (max |difference|; 0 is exact).
+the replayed one (max |difference|; 0 is exact). `--lora-dropout P` adds LoRA adapters with dropout P on every
+linear layer: a recompute that drew other masks than Phase A's would differ by far more than rounding.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_prefixflow
@@ -30,6 +32,9 @@ def run(compiled: bool, args) -> list[str]:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(device, dtype).train()
     model.set_attn_implementation("sdpa")
+    if args.lora_dropout:
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=args.lora_dropout,
+                                                 init_lora_weights=False)).to(dtype)
     if compiled:
         for layer in recompute.decoder_layers(decoder_of(model)):
             layer.compile()
@@ -67,10 +72,12 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=2048)
     parser.add_argument("--suffix", type=int, default=128)
     parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--eager-only", action="store_true", help="skip the compiled layers (a CPU smoke run)")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp64"
-    print(f"# Phase C recompute vs Phase A ({device}, torch {torch.__version__})\n")
+    dropout = f", LoRA dropout {args.lora_dropout}" if args.lora_dropout else ""
+    print(f"# Phase C recompute vs Phase A ({device}, torch {torch.__version__}{dropout})\n")
     print("| layers | layer | query | key | value | kernel output on them vs replayed |")
     print("| --- | --- | --- | --- | --- | --- |")
     for compiled in (False,) if args.eager_only else (False, True):

@@ -114,7 +114,7 @@ def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         raise PrefixFlowError("PrefixFlow's recompute of a compiled layer takes gradients through the hidden states "
                               "only; this layer gets another positional input that requires grad.")
-    call = _LayerCall(_layer_of(function), args, function.keywords, hidden.device.type)
+    call = _LayerCall(_layer_of(function), hidden, args, function.keywords)
     trainable = any(p.requires_grad for p in call.layer.parameters())
     # An autograd node whose inputs need no gradient would give none: a layer after frozen embeddings still trains.
     anchor = torch.empty(0, device=hidden.device, requires_grad=trainable)
@@ -127,12 +127,17 @@ def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
 class _LayerCall:
     """One compiled layer's prefix call: run it again, with its captures going to a scratch cache."""
 
-    def __init__(self, layer: torch.nn.Module, args: tuple, kwargs: dict, device_type: str):
+    def __init__(self, layer: torch.nn.Module, hidden: torch.Tensor, args: tuple, kwargs: dict):
         self.layer, self.args, self.kwargs = layer, args, kwargs
+        device_type = hidden.device.type
         # Phase A's autocast, which Phase C's recompute runs under again (as torch.utils.checkpoint does)
         self.autocast = [dict(device_type=kind, enabled=torch.is_autocast_enabled(kind),
                               dtype=torch.get_autocast_dtype(kind), cache_enabled=torch.is_autocast_cache_enabled())
                          for kind in sorted({device_type, "cpu"})]
+        # Phase A's random state, drawn from again by the recompute (dropout masks), as torch.utils.checkpoint does
+        self.cpu_rng = torch.get_rng_state()
+        self.rng_devices, self.device_rng = torch.utils.checkpoint.get_device_states(hidden)
+        self.rng_type = device_type if self.rng_devices else None
         self.cache: TrainingKVCache = kwargs[PASS_KWARG].cache  # the group's: receives the node's K/V outputs
         self.spec = None  # the layer output's pytree structure
         self.kv_layers: list[int] = []
@@ -153,6 +158,8 @@ class _LayerCall:
             if last is not None:
                 last.__class__ = DiscardedLinear  # one class for every layer: one more graph variant, not one per layer
             with contextlib.ExitStack() as stack:
+                if recompute:
+                    stack.enter_context(self._phase_a_rng())
                 for state in self.autocast:
                     stack.enter_context(torch.autocast(**state))
                 flat, self.spec = tree_flatten(self.layer(hidden, *self.args, **kwargs))
@@ -165,6 +172,13 @@ class _LayerCall:
         captured += [scratch.router_logits[i].live for i in self.router_layers]
         scratch.free()
         return flat, captured
+
+    @contextlib.contextmanager
+    def _phase_a_rng(self):
+        with torch.random.fork_rng(devices=self.rng_devices, device_type=self.rng_type):
+            torch.set_rng_state(self.cpu_rng)
+            torch.utils.checkpoint.set_device_states(self.rng_devices, self.device_rng, device_type=self.rng_type)
+            yield
 
     def recapture(self, captured: tuple[torch.Tensor, ...]) -> None:
         """Hand the group's cache the node's outputs: their gradients enter Phase C through the node."""

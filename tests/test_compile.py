@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from equivalence import random_group, train_side_by_side
+from equivalence import prefixflow_backward, random_group, train_side_by_side
 from hf_prefixflow import recompute
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.model import decoder_of
@@ -191,3 +192,30 @@ def test_compiled_recompute_replays_with_phase_a_kernel(fresh_dynamo, monkeypatc
     monkeypatch.setattr(hf_prefixflow.GroupSession, "close",
                         lambda self, *a, **k: in_phase_c.append(True) or close(self, *a, **k))
     train_side_by_side(build("llama", num_hidden_layers=2).train(), [group], plans, prepare=compiled(offload=True))
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_recompute_draws_phase_a_dropout_masks(compile_layers, fresh_dynamo):
+    """LoRA dropout in the recomputed prefix layers: Phase C's recompute must draw Phase A's masks again, or the
+    prefix gradients belong to another forward than the one the suffixes read. Offload's gradients then equal those
+    without it (same seed), for torch.utils.checkpoint's recompute and PrefixFlow's own (compiled layers)."""
+    gen = torch.Generator().manual_seed(10)
+    group = random_group(gen, prefix=(10, 14), suffix=(3, 5), n=(2, 3))
+    plan = [("padded", list(range(len(group.suffixes))))]
+    model = build("llama", num_hidden_layers=2).train()
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.5,
+                                             init_lora_weights=False)).double()
+
+    def gradients(offload: bool) -> dict:
+        candidate = copy.deepcopy(model)
+        for layer in decoder_layers(decoder_of(candidate)) if compile_layers else []:
+            layer.compile(backend="aot_eager")
+        hf_prefixflow.apply_prefixflow(candidate, offload=offload)
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            prefixflow_backward(candidate, group, plan)
+        return {name: p.grad for name, p in candidate.named_parameters() if p.grad is not None}
+
+    expected, actual = gradients(offload=False), gradients(offload=True)
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=1e-10, atol=0, msg=name)

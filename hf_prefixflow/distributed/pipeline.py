@@ -180,8 +180,13 @@ class _WaveStage(torch.nn.Module):
 
 class _VotelessStage(PipelineStage):
     """A stage whose every shape is given. At a schedule's first step torch 2.13 still polls every stage on that (a
-    round trip from the first stage to the last and back), which would hold each stage's Phase B until every later
-    stage had finished its Phase A; each stage answers for itself instead, as all would: shapes given, no DTensors."""
+    round trip from the first stage to the last and back), and torch 2.11 exchanges a warm-up message with each
+    neighbour; either would hold each stage's Phase B until every later stage had finished its Phase A. Each stage
+    answers for itself instead, as all would (shapes given, no DTensors), and sends no warm-up: `_agree`'s all-gather
+    over the group and Phase A's messages came first."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        return []
 
     def _warmup_forward_vote(self, has_backward: bool, received_acc: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ones(1, dtype=torch.int32, device=self.device)
