@@ -137,7 +137,7 @@ class _LayerCall:
         # Phase A's random state, drawn from again by the recompute (dropout masks), as torch.utils.checkpoint does
         self.cpu_rng = torch.get_rng_state()
         self.rng_devices, self.device_rng = torch.utils.checkpoint.get_device_states(hidden)
-        self.rng_type = device_type if self.rng_devices else None
+        self.rng_type = device_type
         self.cache: TrainingKVCache = kwargs[PASS_KWARG].cache  # the group's: receives the node's K/V outputs
         self.spec = None  # the layer output's pytree structure
         self.kv_layers: list[int] = []
@@ -175,9 +175,11 @@ class _LayerCall:
 
     @contextlib.contextmanager
     def _phase_a_rng(self):
-        with torch.random.fork_rng(devices=self.rng_devices, device_type=self.rng_type):
+        accelerator = {"device_type": self.rng_type} if self.rng_devices else {}  # torch 2.11 refuses None
+        with torch.random.fork_rng(devices=self.rng_devices, **accelerator):
             torch.set_rng_state(self.cpu_rng)
-            torch.utils.checkpoint.set_device_states(self.rng_devices, self.device_rng, device_type=self.rng_type)
+            if self.rng_devices:
+                torch.utils.checkpoint.set_device_states(self.rng_devices, self.device_rng, **accelerator)
             yield
 
     def recapture(self, captured: tuple[torch.Tensor, ...]) -> None:
