@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from transformers import PreTrainedModel
@@ -60,6 +61,21 @@ def check_checkpointing(model: torch.nn.Module) -> None:
                 "K/V from the prefix graph. Enable it as "
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
             )
+
+
+def warn_shared_dropout(model: torch.nn.Module) -> None:
+    """Warn once per model that dropout modules active in training draw the prefix's masks once per group."""
+    inner = unwrap(model)
+    if getattr(inner, "_prefixflow_dropout_warned", False):
+        return
+    active = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+    if active:
+        inner._prefixflow_dropout_warned = True
+        warnings.warn(
+            f"{len(active)} dropout modules are active (e.g. {active[0]}): PrefixFlow runs the prompt once per group, "
+            "so their masks over the prompt are drawn once and shared by the group's completions, where full "
+            "sequences draw one per completion. The expected gradient is the same, the sample is not. For training "
+            "equal to full sequences set their p to 0 (LoraConfig(lora_dropout=0.0)).", stacklevel=3)
 
 
 def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:

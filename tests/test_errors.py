@@ -1,9 +1,11 @@
 """Bad input gets a PrefixFlowError that names the fix, and leaves no state behind."""
 
+import warnings
 import weakref
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 import hf_prefixflow
 from hf_prefixflow import PrefixFlowError, scheduler
@@ -152,6 +154,25 @@ def test_attention_dropout_in_training():
     model.eval()  # dropout is off in eval: the same model then runs
     with torch.no_grad(), hf_prefixflow.prefix_group(model, PREFIX) as group:
         group(SUFFIX)
+
+
+def test_dropout_shared_by_a_group_is_announced_once():
+    """LoRA dropout trains (the expected gradient is the full-sequence one), but the user learns that the prompt's
+    masks are shared by the group; without dropout, or in eval, nothing is said."""
+    quiet = hf_prefixflow.apply_prefixflow(get_peft_model(build("llama"), LoraConfig(r=4, lora_dropout=0.0)).train())
+    noisy = hf_prefixflow.apply_prefixflow(get_peft_model(build("llama"), LoraConfig(r=4, lora_dropout=0.1)).train())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dropout")
+        for model in (quiet, noisy.eval(), quiet):
+            with hf_prefixflow.prefix_group(model, PREFIX) as group:
+                group(SUFFIX, attention_mask=MASK).logits.sum().backward()
+    with pytest.warns(UserWarning, match=r"lora_dropout.*LoraConfig\(lora_dropout=0.0\)"):
+        with hf_prefixflow.prefix_group(noisy.train(), PREFIX) as group:
+            group(SUFFIX, attention_mask=MASK).logits.sum().backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dropout")
+        with hf_prefixflow.prefix_group(noisy, PREFIX) as group:  # once per model
+            group(SUFFIX, attention_mask=MASK).logits.sum().backward()
 
 
 def test_output_attentions(model):
