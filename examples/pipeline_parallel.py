@@ -5,7 +5,7 @@
 
 Each rank keeps only its stage of the model (`pipeline.split_model`), then trains `--steps` groups of random data
 with a GRPO-shaped loss. With `--check` (the default for the tiny model) every rank also trains the whole model on
-one process and prints the largest relative difference of its own parameters' gradients.
+one process and compares its own parameters' gradients; the last stage prints each stage's largest relative difference.
 """
 
 from __future__ import annotations
@@ -97,7 +97,11 @@ def compare(whole, stage, prompt, completions, mask, loss_fn, rank: int) -> None
     reference = dict(whole.named_parameters())
     worst = max(((p.grad - reference[n].grad).abs().max() / reference[n].grad.abs().max()).item()
                 for n, p in stage.named_parameters())
-    print(f"stage {rank}: gradients vs whole-model training, max relative difference {worst:.2e}", flush=True)
+    worsts = [0.0] * dist.get_world_size()
+    dist.all_gather_object(worsts, worst)  # the last stage prints them, as it prints the losses: lines of several
+    for stage_index, stage_worst in enumerate(worsts if rank == len(worsts) - 1 else []):  # processes can interleave
+        print(f"stage {stage_index}: gradients vs whole-model training, max relative difference {stage_worst:.2e}",
+              flush=True)
 
 
 if __name__ == "__main__":
