@@ -9,11 +9,18 @@ checkpointing binds them, so a recompute sees the same marker):
   attends to `[cached prefix K/V ; suffix K/V]` under its visibility mask, in the form `X` takes (bottom-right
   causal bias, boolean or additive mask, or a flex BlockMask).
 In a layer with an MoE router, every call also hands the routes the forward carries (if any) to that router.
+
+Decoder layers that call their attention with a fixed argument list (StableLM, Nemotron) drop the model's kwargs,
+marker included. `bridge_layers` hooks such layers: the layer's own PrefixFlow kwargs ride a context variable for
+the duration of the layer's call and are handed to its attention modules' calls. A checkpoint recompute calls the
+layer again with the same kwargs, so it sees the same marker.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Callable
@@ -44,6 +51,19 @@ SP_KWARG = "prefixflow_sp"  # a `distributed.ulysses.SequenceParallel`: this for
 # layers used 9 (CPU, aot_eager). Past torch's default of 8, dynamo logs one warning and runs the remaining calls
 # eagerly.
 RECOMPILE_LIMIT = 16
+
+
+CARRIED_KWARGS = (PASS_KWARG, ROUTES_KWARG, SP_KWARG)
+_layer_kwargs: ContextVar[dict | None] = ContextVar("prefixflow_layer_kwargs", default=None)
+
+
+class _Reach:
+    """A marker `probe` sends through the model to see which attention calls receive the model's kwargs."""
+
+    calls: list[tuple[torch.nn.Module, bool]] | None = None  # (attention module, got the marker), while probing
+
+
+REACH = _Reach()
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,6 +229,9 @@ def prefixflow_attention(
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)
+    if REACH.calls is not None:
+        REACH.calls.append((module, marker is REACH))
+        marker = None if marker is REACH else marker
     routes = kwargs.pop(ROUTES_KWARG, None)
     if getattr(module, PUBLISHES, False):
         _publish(module, routes, marker)
@@ -245,6 +268,41 @@ def _router_sink(marker) -> Callable | None:
     if isinstance(marker, SuffixPass) and marker.wave.router_logits is not None:
         return marker.wave.router_logits.__setitem__  # a checkpoint recompute overwrites with equal values
     return None
+
+
+@lru_cache(maxsize=None)
+def _bridged_class(cls: type, carries: bool) -> type:
+    """`cls` with a forward that puts its PrefixFlow kwargs on the bridge (`carries`: a decoder layer) or takes them
+    from it (an attention module inside such a layer). A subclass rather than hooks: transformers checkpoints a
+    layer's `forward`, outside its hooks, and the recompute must carry the kwargs too."""
+    parent_forward = cls.forward
+
+    @functools.wraps(parent_forward)
+    def carry(self, *args, **kwargs):
+        carried = {name: kwargs[name] for name in CARRIED_KWARGS if name in kwargs}
+        token = _layer_kwargs.set(carried or None)
+        try:
+            return super(bridged, self).forward(*args, **kwargs)
+        finally:
+            _layer_kwargs.reset(token)
+
+    @functools.wraps(parent_forward)
+    def receive(self, *args, **kwargs):
+        carried = _layer_kwargs.get()
+        return super(bridged, self).forward(*args, **({**carried, **kwargs} if carried else kwargs))
+
+    bridged = type(cls.__name__, (cls,), {"forward": carry if carries else receive, "_prefixflow_bridged": True,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return bridged
+
+
+def bridge_layers(layers: list[torch.nn.Module], attention_modules: list[torch.nn.Module]) -> None:
+    """Carry each of `layers`' PrefixFlow kwargs to `attention_modules` (inside those layers), which the layers call
+    without them. Idempotent."""
+    for modules, carries in ((layers, True), (attention_modules, False)):
+        for module in modules:
+            if not getattr(module, "_prefixflow_bridged", False):
+                module.__class__ = _bridged_class(type(module), carries)
 
 
 def _mask_for(base: str) -> Callable:

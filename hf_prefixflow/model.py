@@ -9,7 +9,7 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
-from . import attention, moe
+from . import architecture, attention, moe
 from .errors import PrefixFlowError
 from .recompute import check_recompute_share
 
@@ -63,19 +63,40 @@ def check_checkpointing(model: torch.nn.Module) -> None:
             )
 
 
-def warn_shared_dropout(model: torch.nn.Module) -> None:
-    """Warn once per model that dropout modules active in training draw the prefix's masks once per group."""
+# Module attributes that draw noise in training outside dropout modules (MoE router and input jitter).
+NOISE_ATTRIBUTES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps")
+
+
+def _random_in_training(model: torch.nn.Module) -> list[str]:
+    """Modules that draw random numbers in training: active dropout, and jitter knobs above zero."""
+    found = []
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            found.append(f"{name} (dropout p={module.p})")
+        for attribute in NOISE_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, float) and value > 0:
+                found.append(f"{name} ({type(module).__name__}.{attribute}={value})")
+    return found
+
+
+def warn_shared_randomness(model: torch.nn.Module) -> None:
+    """Warn once per model that randomness drawn in training (dropout modules, MoE jitter) is drawn once per group
+    over the prompt."""
     inner = unwrap(model)
     if getattr(inner, "_prefixflow_dropout_warned", False):
         return
-    active = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
-    if active:
+    found = _random_in_training(model)
+    if found:
         inner._prefixflow_dropout_warned = True
         warnings.warn(
-            f"{len(active)} dropout modules are active (e.g. {active[0]}): PrefixFlow runs the prompt once per group, "
-            "so their masks over the prompt are drawn once and shared by the group's completions, where full "
-            "sequences draw one per completion. The expected gradient is the same, the sample is not. For training "
-            "equal to full sequences set their p to 0 (LoraConfig(lora_dropout=0.0)).", stacklevel=3)
+            f"{len(found)} modules draw random numbers in training (e.g. {found[0]}): PrefixFlow runs the prompt once "
+            "per group, so their draws over the prompt (dropout masks, router or input jitter) are made once and "
+            "shared by the group's completions, where full sequences draw one per completion. The expected gradient "
+            "is the same, the sample is not. For training equal to full sequences set them to 0 (e.g. "
+            "LoraConfig(lora_dropout=0.0), config.router_jitter_noise=0.0).", stacklevel=3)
 
 
 def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -110,16 +131,13 @@ def apply_prefixflow(
     accept recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
     """
     inner = unwrap(model)
-    current = inner.config._attn_implementation
-    if not attention.is_wrapped(current):
-        if current not in attention.SUPPORTED_BASES:
-            raise PrefixFlowError(
-                f"attention implementation {current!r} is not supported; load the model with attn_implementation "
-                f"in {attention.SUPPORTED_BASES} ('sdpa' runs the flash and cuDNN kernels on GPU)."
-            )
+    if not attention.is_wrapped(inner.config._attn_implementation):
+        _check_base(inner)
+        architecture.check_structure(inner)
         _check_rope(inner)
-        inner.set_attn_implementation(attention.wrapped_name(current))
-    moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
+        probed = architecture.probe(inner)
+        enable(inner)
+        architecture.bridge(inner, probed)
     if offload is not None:
         inner._prefixflow_offload = bool(offload)
     if suffix_checkpointing is not None:
@@ -131,6 +149,32 @@ def apply_prefixflow(
             raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype, got {kv_grad_dtype}.")
         inner._prefixflow_kv_grad_dtype = kv_grad_dtype
     return model
+
+
+def _check_base(model: PreTrainedModel) -> None:
+    current = model.config._attn_implementation
+    if current not in attention.SUPPORTED_BASES:
+        raise PrefixFlowError(
+            f"attention implementation {current!r} is not supported; load the model with attn_implementation "
+            f"in {attention.SUPPORTED_BASES} ('sdpa' runs the flash and cuDNN kernels on GPU)."
+        )
+
+
+def enable(model: torch.nn.Module) -> PreTrainedModel:
+    """Switch the attention from `X` to `prefixflow_X` and let MoE routers replay; no architecture checks (used on
+    the probe's tiny copy). Returns the unwrapped model."""
+    inner = unwrap(model)
+    current = inner.config._attn_implementation
+    if not attention.is_wrapped(current):
+        _check_base(inner)
+        inner.set_attn_implementation(attention.wrapped_name(current))
+        if inner.config._attn_implementation != attention.wrapped_name(current):
+            raise PrefixFlowError(
+                f"{type(inner).__name__} did not switch its attention implementation to PrefixFlow's: it does not "
+                "route attention through transformers' AttentionInterface. Train this model with the plain trainer."
+            )
+    moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
+    return inner
 
 
 @contextlib.contextmanager

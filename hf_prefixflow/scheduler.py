@@ -25,7 +25,7 @@ from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap, warn_shared_dropout
+from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap, warn_shared_randomness
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
 from .recompute import RECOMPUTE_SHARE, AttentionReplay, recomputed_layers
@@ -123,7 +123,7 @@ class PrefixGroup:
         self.trains = torch.is_grad_enabled()
         if self.trains:
             check_checkpointing(self.model)
-            warn_shared_dropout(self.model)
+            warn_shared_randomness(self.model)
             if self.routes is not None:
                 check_replay_supported(self._inner)
         cached = self.cache.prefix_length
