@@ -163,7 +163,9 @@ def build_tiny(model_cls: type, config, attn: str, seed: int = 0) -> PreTrainedM
     tiny = tiny_config(config)
     tiny._attn_implementation = attn
     torch.manual_seed(seed)
-    model = model_cls._from_config(tiny, attn_implementation=attn).to(torch.float64)
+    # The class itself, not `_from_config`: under a DeepSpeed ZeRO-3 config that would partition the copy's weights.
+    model = model_cls(tiny).to(torch.float64)
+    model.set_attn_implementation(attn)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
