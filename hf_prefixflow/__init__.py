@@ -1,5 +1,6 @@
 """hf-prefixflow: train long-prefix GRPO groups with one prefix forward and one delayed prefix backward."""
 
+from .config import PrefixFlowConfig
 from .errors import PrefixFlowError
 from .model import apply_prefixflow
 from .scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
@@ -21,6 +22,7 @@ __all__ = [
     "AutoWaves",
     "GroupSession",
     "PackedOutput",
+    "PrefixFlowConfig",
     "PrefixFlowError",
     "PrefixFlowGRPOConfig",
     "PrefixFlowGRPOTrainer",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from . import architecture, attention, moe
 from .errors import PrefixFlowError
-from .recompute import check_recompute_share
+from .config import PrefixFlowConfig
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -99,12 +100,17 @@ def warn_shared_randomness(model: torch.nn.Module) -> None:
             "LoraConfig(lora_dropout=0.0), config.router_jitter_noise=0.0).", stacklevel=3)
 
 
+def config_of(model: torch.nn.Module) -> PrefixFlowConfig:
+    """The `PrefixFlowConfig` `apply_prefixflow` stored on `model` (the defaults if it stored none)."""
+    return getattr(unwrap(model), "_prefixflow_config", None) or PrefixFlowConfig()
+
+
 def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype gK/gV sum in across waves: `apply_prefixflow(kv_grad_dtype=...)` if set, else the widest dtype of
-    the trainable parameters, the precision in which their own gradients accumulate across microbatches: bf16 for
-    bf16 weights (the full-sequence baseline sums `param.grad` in bf16 too, and gK/gV take half the memory), fp32
-    under autocast with fp32 weights or with PEFT's fp32 adapters."""
-    setting = getattr(unwrap(model), "_prefixflow_kv_grad_dtype", None)
+    """The dtype gK/gV sum in across waves: the config's `kv_grad_dtype` if set, else the widest dtype of the
+    trainable parameters, the precision in which their own gradients accumulate across microbatches: bf16 for bf16
+    weights (the full-sequence baseline sums `param.grad` in bf16 too, and gK/gV take half the memory), fp32 under
+    autocast with fp32 weights or with PEFT's fp32 adapters."""
+    setting = config_of(model).kv_grad_dtype
     if setting is not None:
         return setting
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
@@ -112,23 +118,23 @@ def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def apply_prefixflow(
-    model: torch.nn.Module, offload: bool | None = None, suffix_checkpointing: bool | None = None,
-    prefix_recompute: float | None = None, kv_grad_dtype: torch.dtype | None = None,
+    model: torch.nn.Module, config: PrefixFlowConfig | None = None, *, offload: bool | None = None,
+    suffix_checkpointing: bool | None = None, prefix_recompute: float | None = None,
+    kv_grad_dtype: torch.dtype | str | None = None,
 ) -> torch.nn.Module:
-    """Switch `model` to its PrefixFlow attention; idempotent; returns the same object.
+    """Switch `model` (a transformers decoder or a PEFT wrapper of one) to PrefixFlow's attention; returns it.
 
-    `offload=True` moves the prefix graph's dormant saved tensors to a host pool between Phase A and Phase C
-    (`hf_prefixflow.offload`). `prefix_recompute` is the share of prefix layers that Phase A checkpoints and Phase C
-    recomputes: with offload, from their offloaded inputs instead of copying their activations back (default
-    `recompute.RECOMPUTE_SHARE`); without, it frees their activations on the device for larger waves (default 0).
-    `suffix_checkpointing=False` keeps suffix waves' activations instead of recomputing them when the model uses
-    activation checkpointing (the prefix stays checkpointed): the memory the shared prefix frees buys back the
-    recompute. `kv_grad_dtype` fixes the dtype gK/gV sum in across waves (default: see `kv_grad_dtype`;
-    `torch.float32` keeps bf16 models' sums in fp32 at twice the memory). `None` keeps the current setting of each.
+    Args:
+        model: the model to train. Checked once, at the first call: token mixers other than attention, attention
+            outside transformers' AttentionInterface and dynamic RoPE are refused (`PrefixFlowError`), and a tiny
+            float64 copy of the architecture trains one group both ways (`architecture.probe`).
+        config: the settings (`PrefixFlowConfig`); replaces the stored one. Default: keep the stored one.
+        offload, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of `PrefixFlowConfig`
+            applied on top; `None` keeps the current value of each.
 
-    Outside a `prefix_group` the model computes exactly what it did before: the attention function delegates to
-    the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers (Qwen3-MoE, Mixtral) also
-    accept recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
+    Idempotent. Outside a `prefix_group` the model computes exactly what it did before: the attention function
+    delegates to the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers also accept
+    recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
     """
     inner = unwrap(model)
     if not attention.is_wrapped(inner.config._attn_implementation):
@@ -136,19 +142,28 @@ def apply_prefixflow(
         architecture.check_structure(inner)
         _check_rope(inner)
         probed = architecture.probe(inner)
+        _own_config(inner)
         enable(inner)
         architecture.bridge(inner, probed)
-    if offload is not None:
-        inner._prefixflow_offload = bool(offload)
-    if suffix_checkpointing is not None:
-        inner._prefixflow_suffix_checkpointing = bool(suffix_checkpointing)
-    if prefix_recompute is not None:
-        inner._prefixflow_prefix_recompute = check_recompute_share(prefix_recompute)
-    if kv_grad_dtype is not None:
-        if not kv_grad_dtype.is_floating_point:
-            raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype, got {kv_grad_dtype}.")
-        inner._prefixflow_kv_grad_dtype = kv_grad_dtype
+    inner._prefixflow_config = (config or config_of(inner)).replace(
+        offload=offload, suffix_checkpointing=suffix_checkpointing, prefix_recompute=prefix_recompute,
+        kv_grad_dtype=kv_grad_dtype)
     return model
+
+
+def _own_config(model: PreTrainedModel) -> None:
+    """Give `model` a config object of its own before switching its attention, so that another model built from
+    the same config object stays as it was. Modules read the attention implementation from their `config`."""
+    shared = model.config
+    private = copy.deepcopy(shared)
+    mapping = {id(shared): private}
+    for name, value in vars(shared).items():
+        if isinstance(value, PretrainedConfig):  # text / vision configs, which their modules hold
+            mapping[id(value)] = getattr(private, name)
+    for module in model.modules():
+        replacement = mapping.get(id(getattr(module, "config", None)))
+        if replacement is not None:
+            module.config = replacement
 
 
 def _check_base(model: PreTrainedModel) -> None:

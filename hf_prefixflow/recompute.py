@@ -39,13 +39,6 @@ from .kv_cache import TrainingKVCache
 RECOMPUTE_SHARE = 1.0
 
 
-def check_recompute_share(share: float) -> float:
-    if not 0.0 <= share <= 1.0:
-        raise PrefixFlowError(f"prefix_recompute is the share of prefix layers that Phase C recomputes, a number in "
-                              f"[0, 1]; got {share}.")
-    return float(share)
-
-
 def _spread(count: int, share: float) -> list[int]:
     """Indices of round(share * count) of `count` layers, evenly spaced and ending at the last one (Phase C starts
     there, with nothing prefetched yet, so it should need only a layer input)."""

@@ -25,10 +25,11 @@ from .distributed import fsdp, zero
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import check_checkpointing, checkpointing_suspended, decoder_of, kv_grad_dtype, unwrap, warn_shared_randomness
+from .model import (check_checkpointing, checkpointing_suspended, config_of, decoder_of, kv_grad_dtype, unwrap,
+                    warn_shared_randomness)
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
-from .recompute import RECOMPUTE_SHARE, AttentionReplay, recomputed_layers
+from .recompute import AttentionReplay, recomputed_layers
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -150,7 +151,7 @@ class PrefixGroup:
 
     def _offloader(self) -> PrefixOffload | None:
         """A saved-tensor offloader for this prefix forward, sharing the model's host pool across groups."""
-        if not (self.trains and getattr(self._inner, "_prefixflow_offload", False)):
+        if not (self.trains and config_of(self._inner).offload):
             return None
         device = self.prefix_ids.device
         pool = getattr(self._inner, "_prefixflow_pool", None)
@@ -162,12 +163,9 @@ class PrefixGroup:
 
     def _recomputing(self) -> contextlib.AbstractContextManager:
         """Checkpoint the configured share of prefix layers; yields the checkpointed layers' indices."""
-        share = getattr(self._inner, "_prefixflow_prefix_recompute", None)
-        if share is None:
-            share = RECOMPUTE_SHARE if self.offload is not None else 0.0
         if not self.trains:
             return contextlib.nullcontext(set())
-        return recomputed_layers(decoder_of(self._inner), share)
+        return recomputed_layers(decoder_of(self._inner), config_of(self._inner).recompute_share)
 
     def _adopt(self, cache: TrainingKVCache) -> None:
         """Open on prefix K/V computed by another rank's Phase A (`distributed.placement`): the waves read `cache`,
@@ -194,7 +192,7 @@ class PrefixGroup:
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
         marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
-        keep = not getattr(self._inner, "_prefixflow_suffix_checkpointing", True)
+        keep = not config_of(self._inner).suffix_checkpointing
         with checkpointing_suspended(self._inner) if keep else contextlib.nullcontext():
             return self._forward(self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
 
