@@ -1,6 +1,6 @@
 """Phase-B attention kernels on a GPU: which way of attending a suffix wave to `[prefix ; suffix]` is fastest.
 
-    python benchmarks/attention_kernels.py --prefix 10240 --suffix 2048 --out benchmarks/results
+    python benchmarks/attention_kernels.py --prefix 10240 --suffix 2048
 
 Times forward + backward (CUDA events, median of 10 after warm-up) of one layer's attention, Qwen3-1.7B heads
 (16 query / 8 KV heads, head dim 128), bf16:
@@ -16,6 +16,7 @@ Before timing, each split kernel's output and gradients are checked against fp32
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_attention_kernels")
     args = parser.parse_args()
     p, s, h, hk, d = args.prefix, args.suffix, args.heads, args.kv_heads, args.dim
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731

@@ -1,6 +1,6 @@
 """MoE under routing replay on a GPU: a 20-step bf16 trajectory, PrefixFlow vs full-sequence training.
 
-    python benchmarks/gpu_moe_trajectory.py --out benchmarks/results
+    python benchmarks/gpu_moe_trajectory.py   # writes to benchmarks/results/<today>_moe_trajectory
 
 A random-init Qwen3-MoE (fp32 master weights, bf16 autocast, AdamW) trains 20 rollout groups twice: full sequences
 and PrefixFlow. Routes come from an "inference engine" (a perturbed copy of the weights, run in bf16 under no_grad),
@@ -12,6 +12,7 @@ every element stays within |x-y| <= 1e-3 + 1e-2 max(|x|,|y|).
 from __future__ import annotations
 
 import argparse
+import datetime
 import copy
 import json
 import pathlib
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use 1e-6..1e-5)")
     parser.add_argument("--tag", default="gpu_moe_trajectory")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_moe_trajectory")
     args = parser.parse_args()
 
     reference = build()

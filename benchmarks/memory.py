@@ -492,7 +492,7 @@ def main() -> None:
     parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
                         help="share of prefix layers Phase C recomputes instead of copying back (offload mode)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_memory")
     args = parser.parse_args()
     if args.tiny:
         args.model = "tiny"

@@ -1,6 +1,6 @@
 """Where PrefixFlow's time goes on a GPU: CUDA time per phase and the top kernels, next to one baseline sequence.
 
-    python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4 --out benchmarks/results
+    python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4
 
 Prints (and writes to `profile_<model>.txt`): baseline time per sequence; Phase A, per-wave B and Phase C times
 (CUDA events, after a warm-up) with the TFLOP/s each reaches by `hf_prefixflow.flops` (Phase A is a third of the
@@ -10,6 +10,7 @@ torch.profiler's top CUDA kernels for one baseline sequence and for one group.
 
 from __future__ import annotations
 
+import datetime
 import pathlib
 
 import torch
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true", help="prefix activation offload (hf_prefixflow.offload)")
     parser.add_argument("--prefix-recompute", type=float, default=None, help="share of prefix layers recomputed")
     parser.add_argument("--rows", type=int, default=22)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_profile_phases")
     args = parser.parse_args()
 
     model = hf_prefixflow.apply_prefixflow(build(args.model), offload=args.offload,

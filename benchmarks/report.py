@@ -1,9 +1,10 @@
-"""Collect speed rows into `latest.json`, a markdown table and a speedup-vs-N plot against the FLOP bound.
+"""Collect speed rows into `speed_table.json`, a markdown table and a speedup-vs-N plot against the FLOP bound.
 
-    python benchmarks/report.py benchmarks/results/speed_qwen3_1.7b.json benchmarks/results/speed_probe.json ...
+    python benchmarks/report.py benchmarks/results/2026-12-01_speed_report/speed_table.json NEW_RUN/speed_*.json
 
 Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`
-(rows of a `latest.json` given as input keep theirs, so a new `latest` is the old one plus the new files).
+(run folder and name; rows of a `speed_table.json` given as input keep theirs, so a new table is the old one plus the
+new files). The output goes to a run folder of its own (default `benchmarks/results/<today>_speed_report`).
 `with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.flops.MIN_SPEEDUP` says a
 group pays, else the plain path, which is the baseline (1.00x).
 The plot has a row of panels per model and mode; the paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4)
@@ -13,6 +14,7 @@ are drawn beside the 8B eager ones for reference.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 
@@ -24,7 +26,7 @@ PAPER_10K_2K = {16: 3.800, 32: 4.115, 128: 4.395}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_speed_report")
     args = parser.parse_args()
 
     rows: dict[tuple, dict] = {}
@@ -32,9 +34,11 @@ def main() -> None:
         for row in json.loads(pathlib.Path(name).read_text()):
             key = (row["model"], row["mode"], row["P"], row["S"], row["N"], row.get("wave", 1),
                    row.get("offload", False))
-            rows[key] = {**row, "source": row.get("source", pathlib.Path(name).name)}
+            path = pathlib.Path(name)
+            rows[key] = {**row, "source": row.get("source", f"{path.parent.name}/{path.name}")}
     ordered = [rows[k] for k in sorted(rows)]
     out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for row in ordered:
         row["with_cost_model"] = row["speedup"] if row["flop_bound"] >= MIN_SPEEDUP else 1.0
     lines = ["| model | mode | P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share | "
@@ -43,8 +47,8 @@ def main() -> None:
               f"{r['N']} | {r.get('wave', 1)} | "
               f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
               f"{share(r):.1%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
-    (out / "latest.json").write_text(json.dumps(ordered, indent=1))
-    (out / "latest.md").write_text("\n".join(lines) + "\n")
+    (out / "speed_table.json").write_text(json.dumps(ordered, indent=1))
+    (out / "speed_table.md").write_text("\n".join(lines) + "\n")
     plot(ordered, out / "speedup_vs_n.png")
 
 

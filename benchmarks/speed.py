@@ -1,6 +1,6 @@
 """Speed on one GPU: full-sequence training vs PrefixFlow, side by side in one process on the same model object.
 
-    python benchmarks/speed.py --model qwen3-1.7b --splits 10240/2048,2048/10240 --n 4,16 --out benchmarks/results
+    python benchmarks/speed.py --model qwen3-1.7b --splits 10240/2048,2048/10240 --n 4,16
 
 The baseline trains each `[P || S_i]` as an ordinary sequence (one per microbatch, as TRL does with batch 1);
 PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes (a list: one row per wave size, all
@@ -138,7 +138,7 @@ def main() -> None:
                         help="PrefixFlow offloads dormant prefix activations (the memory buys larger --wave)")
     parser.add_argument("--prefix-recompute", type=float, default=None,
                         help="share of prefix layers Phase C recomputes (frees Phase-B memory for a larger --wave)")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_speed")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
 
