@@ -33,9 +33,9 @@ from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 
 # Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
-# benchmarks/results/memory*.md): copying every layer back cost 13-19% of step time, recomputing all 0.5-15.5% (runs
-# of the same code spread that widely), at the same Phase-B peak: a layer recomputes faster than its activations
-# cross PCIe. Models with more compute per activation byte may prefer a share below 1.
+# benchmarks/results/*memory*/ and their git history): copying every layer back cost 13-19% of step time,
+# recomputing all 0.5-15.5% (runs of the same code spread that widely), at the same Phase-B peak: a layer recomputes
+# faster than its activations cross PCIe. Models with more compute per activation byte may prefer a share below 1.
 RECOMPUTE_SHARE = 1.0
 
 

@@ -102,11 +102,12 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
 def _fused(fn: Callable) -> Callable:
     """`fn` compiled into one kernel for CUDA tensors, eager elsewhere. Op by op, the merge and the dq sum make a
     pass over memory per op in fp32; fused, the Llama3-8B shape went from 93% to 94% of the FLOP bound. Compiled
-    with every size symbolic (`dynamic=True`) the merge's kernel took 0.30 ms a call at that shape; with static
-    sizes the merge and the dq sum took 3.2 ms over 64 calls of each (benchmarks/results/
-    kernel_categories_llama3-8b_wave2_rowfold.log, ..._merge_default.log). So sizes start static, and only those that
-    change between waves (the rows, the suffix length) turn symbolic on the one recompile that follows,
-    torch.compile's default (merge_compile_probe.log: no slower a call than one static shape)."""
+    with every size symbolic (`dynamic=True`) the merge took 0.25 ms a call at that shape
+    (benchmarks/results/2026-12-01_split_attention_probes/merge_compile_probe.log); with static sizes the merge and
+    the dq sum took 3.2 ms over 64 calls of each (2026-12-01_phase_profiles/
+    kernel_categories_llama3-8b_wave2_merge_default.log). So sizes start static, and only those that change between
+    waves (the rows, the suffix length) turn symbolic on the one recompile that follows, torch.compile's default
+    (merge_compile_probe.log: no slower a call than one static shape)."""
     compiled = functools.cache(lambda: torch.compile(fn))  # on first use: dynamo is slow to import
 
     @functools.wraps(fn)

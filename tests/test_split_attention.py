@@ -186,7 +186,7 @@ def test_backward_kernels_get_the_output_as_the_forward_laid_it_out():
     """A saved-tensor hook may hand saved tensors back contiguous (torch's `save_on_cpu(pin_memory=True)` does); each
     backward call still gets the merged output in the forward's layout (cuDNN's backward, handed its output
     contiguous, returned dq and dk 2-3 times their largest value off on an H200:
-    benchmarks/results/attention_layout_probe.log)."""
+    benchmarks/results/2026-12-02_attention_layout/attention_layout_probe_fixed.log)."""
     seen = []
     contiguous = torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t)
     out = _recorded_split_attention(lambda out, lse: seen.append(out.stride()), seed=6, hooks=contiguous)
