@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass, is_wrapped
-from .distributed import fsdp, zero
+from .engines import gathers_weights_in_hooks, prefix_module
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
@@ -46,15 +46,31 @@ class PackedOutput:
         return list(tensor[0].split(self.segment_lengths))
 
 
+class GroupRunner:
+    """How a group runs its forwards on this process: the seam through which a parallel rule (`distributed/`)
+    shards or splits them. The default runs the model (Phase B) or its decoder (Phase A) where its embeddings are."""
+
+    def device(self, group: "PrefixGroup") -> torch.device:
+        """Where the group's inputs must be."""
+        return group.hf_model.get_input_embeddings().weight.device
+
+    def forward(self, group: "PrefixGroup", module: torch.nn.Module, input_ids: torch.Tensor,
+                position_ids: torch.Tensor, **kwargs):
+        """One forward: Phase A's (`module` the decoder, or the FSDP2 root) or a wave's (the model).
+        `input_ids`, `position_ids`: `[B, L]`; `kwargs` carry the pass marker and the model's own arguments."""
+        return module(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+
+
 class PrefixGroup:
     """One shared prefix: its training-time KV cache and the suffix waves that read it."""
 
     def __init__(
         self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0,
-        routes: torch.Tensor | None = None, collect_router_logits: bool = False,
+        routes: torch.Tensor | None = None, collect_router_logits: bool = False, runner: GroupRunner | None = None,
     ):
         self.model = model
         self.collect_router_logits = collect_router_logits
+        self.runner = runner or GroupRunner()
         self._inner = unwrap(model)
         if not is_wrapped(self._inner.config._attn_implementation):
             raise PrefixFlowError("call hf_prefixflow.apply_prefixflow(model) before opening a prefix group.")
@@ -107,8 +123,13 @@ class PrefixGroup:
         check_routes(self._inner, torch.cat([r.reshape(-1, r.shape[-1]) for r in routes]))
         return wave_routes(self.routes, routes)
 
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The transformers model inside any DDP / engine / PEFT wrapper."""
+        return self._inner
+
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        device = self._inner.get_input_embeddings().weight.device
+        device = self.runner.device(self)
         if tensor.device != device:
             raise PrefixFlowError(
                 f"{name} is on {tensor.device} but the model's embeddings are on {device}; "
@@ -136,9 +157,10 @@ class PrefixGroup:
         with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing() as recomputed:
             # With offload, recomputed layers keep their attention results on the host too (`recompute`).
             self.attention_replay = AttentionReplay(recomputed, self.offload) if self.offload and recomputed else None
-            module, extra = fsdp.prefix_forward(self.model)
+            module, extra = prefix_module(self.model)
             marker = PrefixPass(self.cache, self.collect_router_logits, self.attention_replay)
-            out = self._forward(module, self.prefix_ids[:, :-1], positions, **{PASS_KWARG: marker}, **replay, **extra)
+            out = self.runner.forward(self, module, self.prefix_ids[:, :-1], positions, **{PASS_KWARG: marker},
+                                      **replay, **extra)
         hidden = out[0]  # the last hidden state, or the logits when Phase A runs the whole model (FSDP2)
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
@@ -146,7 +168,7 @@ class PrefixGroup:
                 "activation checkpointing (or a custom checkpoint function) detached them. Use non-reentrant "
                 "checkpointing: gradient_checkpointing_kwargs={'use_reentrant': False}."
             )
-        if self.trains and hidden.requires_grad and (fsdp.units(self.model) or zero.partitions_weights(self.model)):
+        if self.trains and hidden.requires_grad and gathers_weights_in_hooks(self.model):
             self.cache.anchor = hidden  # these engines gather weights in hooks on module outputs: see `anchor`
 
     def _offloader(self) -> PrefixOffload | None:
@@ -194,11 +216,7 @@ class PrefixGroup:
         marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
         keep = not config_of(self._inner).suffix_checkpointing
         with checkpointing_suspended(self._inner) if keep else contextlib.nullcontext():
-            return self._forward(self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
-
-    def _forward(self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
-        """One forward of Phase A (`module` = the decoder) or B (the model); sequence parallelism shards it here."""
-        return module(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+            return self.runner.forward(self, self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
 
     def padded_wave(
         self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: torch.Tensor | None = None

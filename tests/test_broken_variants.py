@@ -3,9 +3,18 @@
 import pytest
 import torch
 
+import hf_prefixflow
 from hf_prefixflow import layouts, scheduler
 from equivalence import random_group, random_plan, train_side_by_side
 from models import build
+
+
+@pytest.fixture(autouse=True)
+def probed_before_breaking():
+    """Apply (and so probe) each family before a test breaks the schedule: the checks under test are the
+    equivalence checks, not `apply_prefixflow`'s probe, which would refuse the broken schedule first."""
+    for family in ("mistral", "llama", "llama_eager", "qwen3"):
+        hf_prefixflow.apply_prefixflow(build(family))
 
 
 def _run(family="mistral", seed=0, layouts_=("padded", "packed")):

@@ -62,11 +62,11 @@ def sp_backward(model, sp, group: eq.Group, waves, mode: str) -> float:
 
 def main(mode: str) -> None:
     dist.init_process_group("gloo")
-    if mode == "no_phase_c":
-        scheduler.delayed_backward = lambda caches, *args: 0
     sp = ulysses.SequenceParallel()
     reference = build("qwen3").train()  # 4 query and 2 key/value heads: one KV head per rank
     candidate = hf_prefixflow.apply_prefixflow(build("qwen3").train())
+    if mode == "no_phase_c":  # after apply_prefixflow, whose probe would refuse the broken schedule itself
+        scheduler.delayed_backward = lambda caches, *args: 0
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (reference, candidate)]
     gen = torch.Generator().manual_seed(0)

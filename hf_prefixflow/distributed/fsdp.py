@@ -29,12 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+from ..engines import fsdp_units as units
 from ..errors import PrefixFlowError
-from ..model import decoder_of
-
-
-def units(model: torch.nn.Module) -> list[FSDPModule]:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def check_config(accelerator, model: torch.nn.Module) -> None:
@@ -47,18 +43,6 @@ def check_config(accelerator, model: torch.nn.Module) -> None:
             "PrefixFlow supports FSDP2 (fully_shard), not FSDP1. Set `fsdp_version: 2` in the Accelerate config "
             "(examples/accelerate/fsdp2.yaml) or fsdp_config={'version': 2} in the training arguments."
         )
-
-
-def prefix_forward(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-    """The module Phase A runs over the prefix and its extra keyword arguments: the decoder, or the FSDP2 root."""
-    if isinstance(model, FSDPModule):
-        return model, {"logits_to_keep": 1}
-    if units(model):
-        raise PrefixFlowError(
-            f"{type(model).__name__} holds FSDP2 units but is not the FSDP root: open prefix groups on the module "
-            "fully_shard was applied to last (the one the trainer forwards)."
-        )
-    return decoder_of(model), {}
 
 
 def local_gradients(model: torch.nn.Module) -> contextlib.AbstractContextManager:

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from ..attention import PASS_KWARG, PrefixPass
 from ..errors import PrefixFlowError
 from ..model import decoder_of, unwrap
-from ..scheduler import GroupSession, PrefixGroup
+from ..scheduler import GroupRunner, GroupSession, PrefixGroup
 
 # Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,
 # which both ends share (Phase A, then the schedule's, then Phase C).
@@ -126,12 +126,30 @@ def stage_of(model: torch.nn.Module) -> tuple[int, int]:
     return stage
 
 
+class StageRunner(GroupRunner):
+    """Runs a stage's part of each forward: from the ids (first stage) or the hidden states received (later stages),
+    to the logits (last stage) or the hidden states sent on."""
+
+    def device(self, group: "StageGroup") -> torch.device:
+        return next(group.hf_model.parameters()).device  # later stages hold no embeddings
+
+    def forward(self, group: "StageGroup", module: torch.nn.Module, input_ids: torch.Tensor,
+                position_ids: torch.Tensor, **kwargs):
+        inputs = {"input_ids": input_ids} if group.is_first else {"inputs_embeds": group.incoming}
+        if not group.is_last:  # no LM head here: the decoder's hidden states go to the next stage
+            module = decoder_of(group.model)
+        out = module(position_ids=position_ids, use_cache=False, **inputs, **kwargs)
+        if isinstance(kwargs[PASS_KWARG], PrefixPass):
+            group.prefix_output = out[0]
+        return out
+
+
 class StageGroup(PrefixGroup):
     """A prefix group on one pipeline stage: its own layers' K/V; hidden states in from the stage before it."""
 
     def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor):
         self.stage_index, self.num_stages = stage_of(model)
-        super().__init__(model, prefix_ids)
+        super().__init__(model, prefix_ids, runner=StageRunner())
         self.incoming: torch.Tensor | None = None  # the hidden states the next forward starts from (later stages)
         self.prefix_input: torch.Tensor | None = None  # Phase A's, received: its gradient goes back in Phase C
         self.prefix_output: torch.Tensor | None = None  # Phase A's: the next stage returns its gradient
@@ -143,21 +161,6 @@ class StageGroup(PrefixGroup):
     @property
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
-
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        device = next(self._inner.parameters()).device
-        if tensor.device != device:
-            raise PrefixFlowError(f"{name} is on {tensor.device} but this stage is on {device}; move it with "
-                                  f".to({str(device)!r}).")
-
-    def _forward(self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
-        inputs = {"input_ids": input_ids} if self.is_first else {"inputs_embeds": self.incoming}
-        if not self.is_last:  # no LM head here: the decoder's hidden states go to the next stage
-            module = decoder_of(self.model)
-        out = module(position_ids=position_ids, use_cache=False, **inputs, **kwargs)
-        if isinstance(kwargs[PASS_KWARG], PrefixPass):
-            self.prefix_output = out[0]
-        return out
 
 
 class _WaveStage(torch.nn.Module):
@@ -196,14 +199,14 @@ class _VotelessStage(PipelineStage):
 
 
 def _hidden_size(group: StageGroup) -> int:
-    return group._inner.config.get_text_config().hidden_size
+    return group.hf_model.config.get_text_config().hidden_size
 
 
 def _checked_hidden(group: StageGroup, hidden: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Hidden states about to go to the next stage, which expects them in the model's dtype: NCCL would not say."""
-    if hidden.dtype != group._inner.dtype or tuple(hidden.shape) != shape:
+    if hidden.dtype != group.hf_model.dtype or tuple(hidden.shape) != shape:
         raise PrefixFlowError(f"stage {group.stage_index} made hidden states {tuple(hidden.shape)} in {hidden.dtype}; "
-                              f"the next stage expects {shape} in the model's dtype {group._inner.dtype}. Keep the "
+                              f"the next stage expects {shape} in the model's dtype {group.hf_model.dtype}. Keep the "
                               "residual stream in the weights' dtype (autocast over fp32 weights does).")
     return hidden
 
@@ -303,7 +306,7 @@ def _phase_a(session: GroupSession, stage: StageGroup, link: _Link) -> None:
     passes = stage.cache.prefix_length > 0
     shape = (1, stage.cache.prefix_length, _hidden_size(stage))
     if passes and not stage.is_first:
-        like = torch.empty(shape, dtype=stage._inner.dtype, device=stage.prefix_ids.device)
+        like = torch.empty(shape, dtype=stage.hf_model.dtype, device=stage.prefix_ids.device)
         stage.incoming = link.recv(like, -1).requires_grad_()
     session.add(stage)
     if passes and not stage.is_last:
@@ -317,10 +320,10 @@ def _phase_b(stage: StageGroup, suffix_ids, attention_mask, loss_fn, microbatche
     batch = rows // microbatches
     device = stage.prefix_ids.device
     # Shapes only (meta tensors): the receive buffers are torch's. Gradients flow back along the hidden states.
-    hidden = torch.empty(batch, length, _hidden_size(stage), dtype=stage._inner.dtype, device="meta",
+    hidden = torch.empty(batch, length, _hidden_size(stage), dtype=stage.hf_model.dtype, device="meta",
                          requires_grad=True)
     inputs = torch.empty(batch, length, dtype=torch.long, device="meta") if stage.is_first else hidden
-    vocab = stage._inner.config.get_text_config().vocab_size
+    vocab = stage.hf_model.config.get_text_config().vocab_size
     outputs = torch.empty(batch, length, vocab, dtype=_logits_dtype(stage), device="meta") if stage.is_last else hidden
     pipe = _VotelessStage(_WaveStage(stage), stage.stage_index, stage.num_stages, device, input_args=(inputs,),
                           output_args=(outputs,), group=group)
@@ -339,7 +342,7 @@ def _logits_dtype(stage: StageGroup) -> torch.dtype:
     device_type = stage.prefix_ids.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return stage._inner.lm_head.weight.dtype
+    return stage.hf_model.lm_head.weight.dtype
 
 
 def _phase_c(session: GroupSession, stage: StageGroup, link: _Link) -> None:

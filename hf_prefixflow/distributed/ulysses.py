@@ -34,7 +34,7 @@ from ..kv_cache import TrainingKVCache
 from ..layouts import PADDING, Wave
 from ..model import unwrap
 from ..moe import routers
-from ..scheduler import GroupSession, PrefixGroup
+from ..scheduler import GroupRunner, GroupSession, PrefixGroup
 from .data_parallel import reduce_trainable_gradients
 
 
@@ -181,13 +181,29 @@ class ShardedOutput:
         return self.sp.gather(tensor)[:, self.offset : self.offset + self.length]
 
 
+class UlyssesRunner(GroupRunner):
+    """Runs a group's forwards sharded along the sequence: each rank forwards its shard, attention all-to-alls."""
+
+    def __init__(self, sequence_parallel: SequenceParallel):
+        self.sp = sequence_parallel
+
+    def forward(self, group, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
+        prefix_wave = None
+        if isinstance(kwargs[PASS_KWARG], PrefixPass):
+            zeros = torch.zeros_like(input_ids)
+            prefix_wave = Wave(input_ids, position_ids, zeros, cached_length=0, packed=False)
+        sp = dataclasses.replace(self.sp, prefix_wave=prefix_wave)
+        return super().forward(group, module, self.sp.shard(input_ids), self.sp.shard(position_ids),
+                               **{SP_KWARG: sp}, **kwargs)
+
+
 class UlyssesGroup(PrefixGroup):
     """A prefix group whose forwards are sharded along the sequence over an SP group."""
 
     def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, sequence_parallel: SequenceParallel,
                  position_offset: int = 0):
         check_model(model, sequence_parallel.size)
-        super().__init__(model, prefix_ids, position_offset)
+        super().__init__(model, prefix_ids, position_offset, runner=UlyssesRunner(sequence_parallel))
         self.sp = sequence_parallel
         cached = (self.prefix_ids.shape[1] - 1) // self.sp.size * self.sp.size
         # The prompt tokens past the largest multiple of sp ride at the head of every suffix instead.
@@ -224,16 +240,6 @@ class UlyssesGroup(PrefixGroup):
             model_kwargs["shift_labels"] = self.sp.shard(labels)
         raw = self.run_wave(wave, **model_kwargs)
         return ShardedOutput(raw, self.sp.shard(index[None])[0], offset, length, self.sp)
-
-    def _forward(self, module: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs):
-        prefix_wave = None
-        if isinstance(kwargs[PASS_KWARG], PrefixPass):
-            zeros = torch.zeros_like(input_ids)
-            prefix_wave = Wave(input_ids, position_ids, zeros, cached_length=0, packed=False)
-        sp = dataclasses.replace(self.sp, prefix_wave=prefix_wave)
-        return super()._forward(module, self.sp.shard(input_ids), self.sp.shard(position_ids), **{SP_KWARG: sp},
-                                **kwargs)
-
 
 @contextlib.contextmanager
 def _entered(model: torch.nn.Module, group: UlyssesGroup) -> Iterator[UlyssesGroup]:

@@ -37,12 +37,6 @@ def boundary_backward(accelerator):
     return backward
 
 
-def partitions_weights(model: torch.nn.Module) -> bool:
-    """Whether `model` is a ZeRO-3 engine, which gathers a module's weights in hooks on the module's outputs."""
-    stage3 = getattr(model, "zero_optimization_partition_weights", None)
-    return bool(stage3 and stage3())
-
-
 def check_config(accelerator) -> None:
     if accelerator.mixed_precision == "fp16":
         raise PrefixFlowError(
