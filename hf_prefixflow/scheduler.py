@@ -277,7 +277,9 @@ class GroupSession:
         self.groups: list[PrefixGroup] = []
         self._entered = False
 
-    def __enter__(self) -> "GroupSession":
+    def start(self) -> "GroupSession":
+        """Open the session: from here until `finish`, groups open and close on the model (an accumulation window
+        of a trainer). `with GroupSession(model) as session:` calls both."""
         if self._entered:
             raise PrefixFlowError("a prefix group (or session) is entered once; open a new one for the next prompt.")
         if self._inner in _sessions:
@@ -285,6 +287,9 @@ class GroupSession:
         _sessions[self._inner] = self
         self._entered = True
         return self
+
+    def __enter__(self) -> "GroupSession":
+        return self.start()
 
     def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
              collect_router_logits: bool = False) -> PrefixGroup:
@@ -324,15 +329,19 @@ class GroupSession:
                 group._release()
             self.groups = [g for g in self.groups if g not in closing]
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def finish(self, error: BaseException | None = None) -> None:
+        """Close the session: Phase C for the groups still open (none if `error`: they are only freed)."""
         try:
-            if exc_type is None:
+            if error is None:
                 self.close()
         finally:
             for group in self.groups:
                 group._release()
             self.groups = []
             _sessions.pop(self._inner, None)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(exc)
 
 
 class _SingleGroup:
@@ -343,15 +352,15 @@ class _SingleGroup:
         self.session = GroupSession(model)
 
     def __enter__(self) -> PrefixGroup:
-        self.session.__enter__()
+        self.session.start()
         try:
             return self.session.add(self.group)
         except BaseException as exc:
-            self.session.__exit__(type(exc), exc, exc.__traceback__)
+            self.session.finish(exc)
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.session.__exit__(exc_type, exc, tb)
+        self.session.finish(exc)
 
 
 def prefix_group(
