@@ -72,6 +72,12 @@ def _check_ids(name: str, ids: torch.Tensor) -> None:
         raise PrefixFlowError(f"{name} must be an integer tensor of token ids, got {getattr(ids, 'dtype', type(ids))}.")
 
 
+def right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a `[B, S]` 1/0 mask is right-padded (1...1 0...0)."""
+    real = mask.bool()
+    return not bool((real[:, 1:] & ~real[:, :-1]).any())
+
+
 def padded_wave(
     last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int,
     position_offset: int = 0,
@@ -90,17 +96,22 @@ def padded_wave(
                 f"attention_mask shape {tuple(attention_mask.shape)} must match suffix_ids {tuple(suffix_ids.shape)}."
             )
         real = attention_mask.to(device=device, dtype=torch.bool)
-        if (real[:, 1:] & ~real[:, :-1]).any():
+        if not right_padded(real):
             raise PrefixFlowError(
                 "suffix rows must be right-padded (mask 1...1 0...0); left or inner padding is not a suffix layout. "
                 "Use group.packed(...) for suffixes of different lengths without padding."
             )
-    # Input t carries token t-1; input 0 is the prefix's last token, always real.
     inputs = torch.cat([last_prefix_token.expand(batch, 1), suffix_ids[:, :-1]], dim=1)
-    input_real = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], dim=1)
     positions = position_offset + cached_length + torch.arange(length, device=device).expand(batch, -1)
-    segments = torch.where(input_real, 0, PADDING)
-    return Wave(inputs, positions, segments, cached_length, packed=False, position_offset=position_offset)
+    return Wave(inputs, positions, padded_segments(real), cached_length, packed=False, position_offset=position_offset)
+
+
+def padded_segments(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Segment ids of a padded wave's inputs from its suffixes' right-padded mask `[B, S]` (1 = real token): input t
+    carries token t-1, input 0 the prefix's last token, always real."""
+    real = attention_mask.bool()
+    input_real = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], dim=1)
+    return torch.where(input_real, 0, PADDING)
 
 
 def packed_wave(

@@ -12,8 +12,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
+
+from .collectives import per_dtype
 
 
 def local_gradients(model: torch.nn.Module):
@@ -34,11 +35,11 @@ def reduce_trainable_gradients(model: torch.nn.Module, group=None, average: bool
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    for dtype in dict.fromkeys(p.grad.dtype for p in params):  # parameter order: the same on every rank
-        grads = [p.grad for p in params if p.grad.dtype == dtype]
-        flat = _flatten_dense_tensors(grads)
+    size = dist.get_world_size(group)
+
+    def reduce(flat: torch.Tensor) -> None:
         dist.all_reduce(flat, group=group)
         if average:
-            flat /= dist.get_world_size(group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(reduced)
+            flat /= size
+
+    per_dtype([p.grad for p in params], reduce)  # parameter order: the same on every rank

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from ..engines import fsdp_units as units
+from .collectives import all_gather, device_of
 from ..errors import PrefixFlowError
 
 
@@ -71,9 +72,8 @@ def check_same_schedule(model: torch.nn.Module, what: str, counts: list[int]) ->
     """Every rank must run the same forwards and backwards (each gathers or reduces): compare `counts` across ranks."""
     if not (isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    mine = torch.tensor(counts, dtype=torch.int64, device=_device(model))
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    mine = torch.tensor(counts, dtype=torch.int64, device=device_of(model))
+    gathered = all_gather(mine)
     if any(not torch.equal(other, mine) for other in gathered):
         per_rank = ", ".join(f"rank {r}: {t.tolist()}" for r, t in enumerate(gathered))
         raise PrefixFlowError(
@@ -81,7 +81,3 @@ def check_same_schedule(model: torch.nn.Module, what: str, counts: list[int]) ->
             "FSDP's all-gathers and reduce-scatters would mismatch. Causes: a prompt repeated within one "
             "process's batch (its rows merge into one group), or one-token prompts (they train on the plain path)."
         )
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device

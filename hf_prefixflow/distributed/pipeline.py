@@ -32,8 +32,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from ..attention import PASS_KWARG, PrefixPass
 from ..errors import PrefixFlowError
+from ..layouts import right_padded
 from ..model import decoder_of, unwrap
 from ..scheduler import GroupRunner, GroupSession, PrefixGroup
+from .collectives import all_gather
 
 # Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,
 # which both ends share (Phase A, then the schedule's, then Phase C).
@@ -241,8 +243,7 @@ def _problem(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microb
                 f"{size}: pass group= the pipeline's own group, its rank s holding stage s.")
     if attention_mask.dim() != 2:
         return f"the completion mask must be [N, S], got shape {tuple(attention_mask.shape)}."
-    real = attention_mask.bool()
-    if (real[:, 1:] & ~real[:, :-1]).any():
+    if not right_padded(attention_mask):
         return "completions must be right-padded (mask 1...1 0...0)."
     rows = attention_mask.shape[0]
     if microbatches < stage.num_stages or rows % microbatches:
@@ -264,9 +265,7 @@ def _agree(stage: StageGroup, suffix_ids, attention_mask: torch.Tensor, microbat
     shape = tuple(attention_mask.shape) if attention_mask.dim() == 2 else (-1, -1)
     facts = [problem is None, stage.stage_index, stage.prefix_ids.shape[1], *shape, microbatches,
              _checksum(stage.prefix_ids), _checksum(attention_mask)]
-    mine = torch.tensor(facts, dtype=torch.long, device=stage.prefix_ids.device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = all_gather(mine := torch.tensor(facts, dtype=torch.long, device=stage.prefix_ids.device), group)
     if problem is not None:
         raise PrefixFlowError(problem)
     if not all(g[0] for g in gathered):

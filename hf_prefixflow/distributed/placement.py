@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..errors import PrefixFlowError
 from ..kv_cache import CachedTensor, LayerKV, TrainingKVCache
 from ..scheduler import GroupSession, PrefixGroup
+from .collectives import device_of, per_dtype
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def open_split(session: GroupSession, prefix_ids: torch.Tensor | None, holders: 
         header = [None, None]
     dist.broadcast_object_list(header, src=owner)
     prefix_length, entries = header
-    device = _device(session.model)
+    device = device_of(session.model)
     received = _broadcast_values(entries, [t.live for _, _, t in tensors] if rank == owner else None, owner, device)
     if holds and rank != owner:
         session.adopt(group, _peer_cache(prefix_length, entries, received))
@@ -132,14 +132,12 @@ def reduce_gradients(splits: list[SplitGroup]) -> None:
     """
     for split in splits:
         mine = _in_order(split.group.cache) if split.group is not None else None
-        for dtype in _dtypes(split.entries, grads=True):
-            chosen = [i for i, e in enumerate(split.entries) if e.requires_grad and e.grad_dtype == dtype]
-            parts = [_grad_or_zeros(split, i, mine[i][2] if mine else None, dtype) for i in chosen]
-            flat = _flatten_dense_tensors(parts)
-            dist.reduce(flat, dst=split.owner)
-            if dist.get_rank() == split.owner:
-                for i, total in zip(chosen, _unflatten_dense_tensors(flat, parts)):
-                    mine[i][2].grad = total
+        chosen = [i for i, e in enumerate(split.entries) if e.requires_grad]
+        parts = [_grad_or_zeros(split, i, mine[i][2] if mine else None) for i in chosen]
+        per_dtype(parts, lambda flat: dist.reduce(flat, dst=split.owner))
+        if dist.get_rank() == split.owner:
+            for i, total in zip(chosen, parts):
+                mine[i][2].grad = total
 
 
 def _in_order(cache: TrainingKVCache) -> list[tuple[str, int, CachedTensor]]:
@@ -152,27 +150,14 @@ def _entry(kind: str, layer: int, tensor: CachedTensor) -> Entry:
     return Entry(kind, layer, tuple(tensor.live.shape), tensor.live.dtype, tensor.leaf.requires_grad)
 
 
-def _dtypes(entries: list[Entry], grads: bool = False) -> list[torch.dtype]:
-    """The dtypes to move, in first-appearance order (the same on every rank)."""
-    if grads:
-        return list(dict.fromkeys(e.grad_dtype for e in entries if e.requires_grad))
-    return list(dict.fromkeys(e.dtype for e in entries))
-
-
 def _broadcast_values(entries: list[Entry], values: list[torch.Tensor] | None, owner: int,
                       device: torch.device) -> list[torch.Tensor]:
     """The owner's cached values on every rank, one flattened broadcast per dtype."""
-    out: list[torch.Tensor | None] = [None] * len(entries)
-    for dtype in _dtypes(entries):
-        chosen = [i for i, e in enumerate(entries) if e.dtype == dtype]
-        if values is not None:
-            parts = [values[i].detach() for i in chosen]
-        else:
-            parts = [torch.empty(entries[i].shape, dtype=dtype, device=device) for i in chosen]
-        flat = _flatten_dense_tensors(parts)
-        dist.broadcast(flat, src=owner)
-        for i, value in zip(chosen, _unflatten_dense_tensors(flat, parts)):
-            out[i] = value
+    if values is not None:
+        out = [value.detach().clone() for value in values]
+    else:
+        out = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in entries]
+    per_dtype(out, lambda flat: dist.broadcast(flat, src=owner))
     return out
 
 
@@ -189,12 +174,10 @@ def _peer_cache(prefix_length: int, entries: list[Entry], values: list[torch.Ten
     return cache
 
 
-def _grad_or_zeros(split: SplitGroup, index: int, tensor: CachedTensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's accumulated gradient of one cached tensor; zeros where it has none (no rows, or no path)."""
+def _grad_or_zeros(split: SplitGroup, index: int, tensor: CachedTensor | None) -> torch.Tensor:
+    """This rank's accumulated gradient of one cached tensor in the entry's gradient dtype (the same on every rank);
+    zeros where it has none (no rows, or no path)."""
+    dtype = split.entries[index].grad_dtype
     if tensor is not None and tensor.grad is not None:
         return tensor.grad.to(dtype)
     return torch.zeros(split.entries[index].shape, dtype=dtype, device=split.device)
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
