@@ -1,9 +1,11 @@
-"""CI runs exactly the README's install, example and test commands."""
+"""CI runs exactly the README's install, example and test commands; README and docs link only to existing files."""
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "results" / "README.md",
+         ROOT / "benchmarks" / "results" / "latest.md"]
 
 
 def test_ci_runs_the_readme_commands():
@@ -14,3 +16,19 @@ def test_ci_runs_the_readme_commands():
     assert len(commands) == 3
     positions = [ci.index(command) for command in commands]
     assert positions == sorted(positions)
+
+
+def test_the_readme_is_a_front_door():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_links_point_to_files_that_exist():
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, re.M)
+        for target in targets:
+            path = target.split("#")[0]
+            if path and "://" not in path and not (page.parent / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not missing
