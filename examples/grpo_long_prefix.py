@@ -3,18 +3,23 @@
     python examples/grpo_long_prefix.py                         # both trainers, tiny model, synthetic RAG task
     python examples/grpo_long_prefix.py --trainer prefixflow    # one of them
     accelerate launch --config_file examples/accelerate/single_gpu.yaml examples/grpo_long_prefix.py --trainer prefixflow
-    python examples/grpo_long_prefix.py --model PATH --dataset NAME_OR_PATH   # a real checkpoint and dataset
+    python examples/grpo_long_prefix.py --model PATH --dataset data.jsonl   # a real checkpoint and dataset
 
 The only difference between the two runs is the trainer class. The default job needs no network: a random-init
 model built from a config, a tokenizer made locally, and a synthetic RAG dataset (passages + a question; the reward
 checks the answer appears in the completion). It prints step time, actor-update time (step minus generation) and
-reward for each trainer and writes a PNG of the reward and loss curves.
+reward for each trainer, the largest difference between their losses, and writes `logs.json` and a PNG of the reward
+and loss curves to a folder of its own per run (`grpo_long_prefix_out/<date-time>/`, or `--out`).
+
+`--dataset` takes a hub dataset name, a local folder, or a `.json`, `.jsonl`, `.csv` or `.parquet` file; it needs
+`prompt` and `answer` columns (the reward reads `answer`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import pathlib
 import statistics
@@ -27,13 +32,17 @@ from trl import GRPOConfig, GRPOTrainer
 from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, synthetic
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}  # suffix -> datasets builder
+STYLES = {"stock": {"linestyle": "-", "marker": "o", "linewidth": 3.0, "markersize": 7, "alpha": 0.5},
+          "prefixflow": {"linestyle": "--", "marker": "x", "linewidth": 1.5, "markersize": 6}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainer", choices=["both", *TRAINERS], default="both")
     parser.add_argument("--model", help="checkpoint for from_pretrained (default: a tiny random-init model)")
-    parser.add_argument("--dataset", help="datasets.load_dataset name or path with 'prompt' and 'answer' columns")
+    parser.add_argument("--dataset", help="hub name, folder, or .json/.jsonl/.csv/.parquet file with 'prompt' and "
+                                          "'answer' columns")
     parser.add_argument("--split", default="train")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--passages", type=int, default=40, help="synthetic task: passages per prompt")
@@ -46,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--sp", type=int, default=1,
                         help="PrefixFlow: Ulysses sequence parallelism over groups of this many processes")
-    parser.add_argument("--out", default="grpo_long_prefix_out")
+    parser.add_argument("--out", help="output folder (default: a new grpo_long_prefix_out/<date-time>/)")
     return parser.parse_args(argv)
 
 
@@ -59,13 +68,53 @@ def load(args):
         tokenizer = synthetic.make_tokenizer()
         model = synthetic.make_model(tokenizer, hidden=args.hidden, layers=args.layers)
     if args.dataset:
-        from datasets import load_dataset
-
-        dataset = load_dataset(args.dataset, split=args.split)
+        dataset = load_data(args.dataset, args.split)
     else:
         dataset = synthetic.make_dataset(rows=args.steps * args.batch_size // args.num_generations + 8,
                                          passages=args.passages)
     return tokenizer, model, dataset
+
+
+def load_data(name: str, split: str):
+    """A hub dataset, a folder, or one data file (read by the `datasets` builder its suffix names)."""
+    from datasets import load_dataset
+
+    path = pathlib.Path(name)
+    builder = DATA_FILES.get(path.suffix.lower())
+    if path.is_file():
+        if builder is None:
+            raise SystemExit(f"--dataset {name}: a file must end in one of {', '.join(DATA_FILES)}")
+        dataset = load_dataset(builder, data_files={split: str(path)}, split=split)
+    else:
+        dataset = load_dataset(name, split=split)
+    missing = {"prompt", "answer"} - set(dataset.column_names)
+    if missing:
+        raise SystemExit(f"--dataset {name}: needs 'prompt' and 'answer' columns; it has {dataset.column_names}")
+    return dataset
+
+
+def output_folder(out: str | None) -> pathlib.Path:
+    """`--out` as given, else a new `grpo_long_prefix_out/<date-time>/` so that runs do not overwrite each other (the
+    main process names it; every process of a launch gets the same)."""
+    if out:
+        path = pathlib.Path(out)
+    else:
+        from accelerate import PartialState
+        from accelerate.utils import broadcast_object_list
+
+        state, name = PartialState(), [None]
+        if state.is_main_process:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            path, n = pathlib.Path("grpo_long_prefix_out") / stamp, 1
+            while path.exists():
+                n += 1
+                path = path.with_name(f"{stamp}-{n}")
+            name[0] = str(path)
+        if state.num_processes > 1:
+            broadcast_object_list(name)
+        path = pathlib.Path(name[0])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def config(args, name: str) -> GRPOConfig:
@@ -97,11 +146,19 @@ def run(name: str, args, tokenizer, model, dataset) -> list[dict]:
 
     trainer._generate_and_score_completions = timed_generation
     trainer.train()
+    remove_if_empty(pathlib.Path(trainer.args.output_dir))  # save_strategy="no": TRL leaves it empty
     logs = [log for log in trainer.state.log_history if "loss" in log and "step_time" in log]
     for log, seconds in zip(logs, generation_seconds):
         log["generation_s"] = seconds
         log["actor_update_s"] = log["step_time"] - seconds
     return logs
+
+
+def remove_if_empty(path: pathlib.Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:  # missing, or holds files
+        pass
 
 
 def summarize(results: dict[str, list[dict]], out: pathlib.Path) -> None:
@@ -116,6 +173,12 @@ def summarize(results: dict[str, list[dict]], out: pathlib.Path) -> None:
         print(f"{name:<12}{step:>10.3f}{actor:>16.3f}{reward:>17.3f}")
     if len(rows) == 2:
         print(f"actor update speedup: {rows[0][2] / rows[1][2]:.2f}x")
+        stock, prefixflow = results["stock"], results["prefixflow"]
+        gaps = [abs(s["loss"] - p["loss"]) for s, p in zip(stock, prefixflow)]
+        agree = all(g <= 1e-4 + 1e-3 * abs(s["loss"]) for g, s in zip(gaps, stock))
+        same_rewards = all(s["reward"] == p["reward"] for s, p in zip(stock, prefixflow))
+        print(f"losses {'agree' if agree else 'DIFFER'}: largest difference over {len(gaps)} steps {max(gaps):.2e}; "
+              f"rewards {'identical' if same_rewards else 'differ'} (curves.png: stock solid, prefixflow dashed)")
     (out / "logs.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")
     print(f"curves: {out / 'curves.png'}")
@@ -130,9 +193,15 @@ def plot(results: dict[str, list[dict]], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for name, logs in results.items():
         steps = [l["step"] for l in logs]
-        axes[0].plot(steps, [l["reward"] for l in logs], label=name, marker="o", markersize=3)
-        axes[1].plot(steps, [l["loss"] for l in logs], label=name, marker="o", markersize=3)
-    for ax, title in zip(axes, ("reward", "loss")):
+        style = STYLES.get(name, {})
+        axes[0].plot(steps, [l["reward"] for l in logs], label=name, **style)
+        axes[1].plot(steps, [l["loss"] for l in logs], label=name, **style)
+    titles = ["reward", "loss"]
+    if len(results) == 2:
+        stock, prefixflow = results["stock"], results["prefixflow"]
+        gap = max(abs(s["loss"] - p["loss"]) for s, p in zip(stock, prefixflow))
+        titles[1] = f"loss (largest difference {gap:.1e})"
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend()
@@ -144,8 +213,8 @@ def plot(results: dict[str, list[dict]], path: pathlib.Path) -> None:
 def main(argv=None) -> dict[str, list[dict]]:
     args = parse_args(argv)
     tokenizer, model, dataset = load(args)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(args.out)
+    args.out = str(out)
     names = list(TRAINERS) if args.trainer == "both" else [args.trainer]
     results = {name: run(name, args, tokenizer, copy.deepcopy(model), dataset) for name in names}
     summarize(results, out)
