@@ -30,6 +30,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from . import _compat as compat
 from . import split_attention
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
@@ -243,7 +244,7 @@ def prefixflow_attention(
 
 # Reads and writes the cache by layer index: compiled inline, every decoder layer would be a graph of its own and
 # torch.compile's recompile limit would send most layers back to eager. Its kernels are opaque to the compiler anyway.
-@torch._dynamo.disable
+@compat.dynamo_disable
 def _marked_attention(module, query, key, value, attention_mask, marker, base: str, base_fn, dropout, scaling,
                       kwargs):
     """Phase A or B attention for the pass `marker`."""
@@ -257,7 +258,7 @@ def _marked_attention(module, query, key, value, attention_mask, marker, base: s
     return _suffix_attention(module, query, key, value, marker, base, base_fn, dropout, scaling, kwargs)
 
 
-@torch._dynamo.disable  # keyed by layer index, like `_marked_attention`
+@compat.dynamo_disable  # keyed by layer index, like `_marked_attention`
 def _publish(module: torch.nn.Module, routes: torch.Tensor | None, marker) -> None:
     publish(module.layer_idx, routes, _router_sink(marker))  # for this layer's MoE router
 

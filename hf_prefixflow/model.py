@@ -10,6 +10,7 @@ import warnings
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from . import _compat as compat
 from . import architecture, attention, moe
 from .errors import PrefixFlowError
 from .config import PrefixFlowConfig
@@ -54,9 +55,7 @@ def check_checkpointing(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if not getattr(module, "gradient_checkpointing", False):
             continue
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        keywords = func.keywords if isinstance(func, functools.partial) else {}
-        if keywords.get("use_reentrant", True) is not False:
+        if compat.checkpoint_function_kwargs(module).get("use_reentrant", True) is not False:
             raise PrefixFlowError(
                 f"{name or type(module).__name__} uses reentrant activation checkpointing, which detaches the prefix "
                 "K/V from the prefix graph. Enable it as "

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import _compat as compat
 from .errors import PrefixFlowError
 
 ROUTES_KWARG = "prefixflow_routes"
@@ -78,7 +79,7 @@ def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch
     return logits, scores, indices
 
 
-@torch._dynamo.disable  # keyed by layer index: compiled inline, each layer would be a graph of its own
+@compat.dynamo_disable  # keyed by layer index: compiled inline, each layer would be a graph of its own
 def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
     # A module-level hook that receives the router: deep copies of the model (reference models) keep working.
     routes, sink = _published.pop(router._prefixflow_layer, (None, None))

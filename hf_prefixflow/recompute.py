@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from . import _compat as compat
 from . import split_attention
 from .attention import PASS_KWARG
 from .errors import PrefixFlowError
@@ -55,7 +56,7 @@ def _attention_indices(layer: torch.nn.Module) -> set[int]:
 
 
 def _compiled(layer: torch.nn.Module) -> bool:
-    return getattr(layer, "_compiled_call_impl", None) is not None
+    return compat.is_compiled(layer)
 
 
 def _hooked(layer: torch.nn.Module) -> bool:
@@ -76,21 +77,18 @@ def recomputed_layers(decoder: torch.nn.Module, share: float):
             "one: the prefix layers recomputed in Phase C (prefix_recompute) run uncompiled in Phase A and C, because "
             "module hooks (ZeRO-3, FSDP) on them rule out PrefixFlow's own recompute. prefix_recompute=0 keeps them "
             "compiled, at the cost of Phase-B memory.", stacklevel=3)
-    previous = [layer.__dict__.get("_gradient_checkpointing_func") for layer in switched]
+    previous = [compat.own_checkpoint_function(layer) for layer in switched]
     recompute = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     for layer in switched:
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = replay_layer if _compiled(layer) and not _hooked(layer) else recompute
+        compat.set_checkpoint_function(layer, replay_layer if _compiled(layer) and not _hooked(layer) else recompute)
     try:
         yield {i for layer in layers if layer.gradient_checkpointing and layer.training
                for i in _attention_indices(layer)}
     finally:
         for layer, func in zip(switched, previous):
             layer.gradient_checkpointing = False
-            if func is None:
-                del layer._gradient_checkpointing_func
-            else:
-                layer._gradient_checkpointing_func = func
+            compat.set_checkpoint_function(layer, func)
 
 
 def _layer_of(function: functools.partial) -> torch.nn.Module:
@@ -101,7 +99,7 @@ def _layer_of(function: functools.partial) -> torch.nn.Module:
 
 # The checkpoint function of every compiled layer: one object, since dynamo guards on it, and opaque to dynamo (a
 # graph break in the layer's compiled call), since it calls the compiled layer itself.
-@torch._dynamo.disable
+@compat.dynamo_disable
 def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
     """Run a compiled prefix layer under `_LayerReplay`: no graph kept in Phase A, recomputed in Phase C."""
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -222,8 +220,8 @@ def discardable_projection(layer: torch.nn.Module) -> torch.nn.Linear | None:
     down = getattr(mlp, "down_proj", None)
     plain = type(down) is torch.nn.Linear and type(down.weight) is torch.nn.Parameter
     if (plain and (type(layer).__module__, type(layer).__name__) in RESIDUAL_MLP_LAYERS and not _hooked(mlp)
-            and not _hooked(down) and not torch.nn.modules.module._global_forward_hooks
-            and getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", True)):
+            and not _hooked(down) and not compat.global_forward_hooks()
+            and compat.dynamo_inlines_modules()):
         return down
     return None
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-aten = torch.ops.aten
+from . import _compat as compat
 
 
 @dataclass(frozen=True)
@@ -40,35 +40,35 @@ class Kernel:
 
 
 def _cpu_forward(q, k, v, causal, scale):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = compat.SDPA_FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
 
 
 def _cpu_backward(grad, q, k, v, out, lse, causal, scale, state):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return compat.SDPA_FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 def _flash_forward(q, k, v, causal, scale):
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = compat.SDPA_FLASH(
         q, k, v, 0.0, causal, False, scale=scale)
     return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
 def _flash_backward(grad, q, k, v, out, lse, causal, scale, state):
     cum_q, cum_k, max_q, max_k, seed, offset = state
-    return aten._scaled_dot_product_flash_attention_backward(
+    return compat.SDPA_FLASH_BACKWARD(
         grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
 
 def _cudnn_forward(q, k, v, causal, scale):
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = compat.SDPA_CUDNN(
         q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
 def _cudnn_backward(grad, q, k, v, out, lse, causal, scale, state):
     cum_q, cum_k, max_q, max_k, seed, offset = state
-    return aten._scaled_dot_product_cudnn_attention_backward(
+    return compat.SDPA_CUDNN_BACKWARD(
         grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
 
 

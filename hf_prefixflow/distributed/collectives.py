@@ -6,7 +6,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .._compat import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def device_of(model: torch.nn.Module) -> torch.device:

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from .. import _compat as compat
 from ..errors import PrefixFlowError
 
 
@@ -20,11 +21,11 @@ from ..errors import PrefixFlowError
 def inside_window(accelerator):
     """Run a microbatch's own backward as a non-boundary micro-step, whatever Accelerate planned."""
     boundary = accelerator.sync_gradients
-    accelerator.gradient_state._set_sync_gradients(False)
+    compat.set_sync_gradients(accelerator, False)
     try:
         yield boundary
     finally:
-        accelerator.gradient_state._set_sync_gradients(boundary)
+        compat.set_sync_gradients(accelerator, boundary)
 
 
 def boundary_backward(accelerator):
