@@ -5,26 +5,31 @@ over time, an SSM or linear-attention state, attention that bypasses transformer
 prefix information the cache does not hold, so suffixes trained against the cache would get wrong gradients.
 `check_structure` refuses the mixers it can name; `probe` catches the rest, including families added to
 transformers later: it builds a tiny random copy of the model's architecture (same class, same config options, small
-sizes) in float64 on the CPU, trains one group both ways, and refuses unless loss and every gradient agree.
+sizes) in float64 on the CPU, checks that every attention layer runs once per forward and receives its sliding
+window, trains one group both ways, and refuses unless loss and every gradient agree. `benchmarks/families.py` runs
+the same checks over every causal-LM family transformers has (`docs/families.md`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 import re
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import _compat as compat, attention
 from .errors import PrefixFlowError
 
 # `config.layer_types` values whose layers mix tokens only through attention.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local",
-                         "full", "sliding", "chunked"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local", "full", "sliding"}
 # Module class names of token mixers other than attention, and what each does.
 MIXER_PATTERNS = (
     (re.compile(r"Mamba|SSM|Mixer$"), "a state-space (Mamba) mixer carries a recurrent state across the sequence"),
@@ -32,6 +37,17 @@ MIXER_PATTERNS = (
      "a linear-attention / recurrent mixer carries a state across the sequence"),
     (re.compile(r"ShortConv|CausalConv|Conv1d|Conv$"), "a convolution over time mixes neighbouring tokens"),
 )
+# Why a `layer_types` kind other than attention cannot be trained from cached K/V.
+KIND_REASONS = {
+    "conv": "it mixes tokens outside attention by a short causal convolution over the sequence",
+    "linear_attention": "it mixes tokens outside attention through a recurrent (linear-attention or state-space) state",
+    "hybrid": "it mixes tokens outside attention through a state-space mixer beside its attention",
+    "hybrid_sliding": "it mixes tokens outside attention through a state-space mixer beside its attention",
+    "indexed_attention": "its sparse-attention indexer scores the prefix with keys of its own",
+    "compressed_sparse_attention": "it attends to compressed blocks of the sequence built outside its K/V",
+    "heavily_compressed_attention": "it attends to compressed blocks of the sequence built outside its K/V",
+    "chunked_attention": "its attention stays within fixed chunks of the sequence, a mask PrefixFlow's waves lack",
+}
 TOLERANCE = 1e-5  # relative, float64: the equivalence tests' bound
 
 
@@ -46,15 +62,17 @@ def _decoder_layers(model: PreTrainedModel) -> list[tuple[str, torch.nn.Module]]
 
 
 def check_structure(model: PreTrainedModel) -> None:
-    """Refuse models whose decoder mixes tokens outside the attention function, naming the module and why."""
+    """Refuse models whose decoder mixes tokens outside the attention function (or has identity MoE experts),
+    naming the layer or module and why."""
     owner = type(model).__name__
     text_config = model.config.get_text_config()
     for index, kind in enumerate(getattr(text_config, "layer_types", None) or []):
         if kind not in ATTENTION_LAYER_TYPES:
+            how = KIND_REASONS.get(kind, "it is not known to mix tokens only through attention")
             raise PrefixFlowError(
-                f"{owner}: layer {index} has layer type {kind!r}, which mixes tokens outside attention, so a "
-                "suffix depends on the prefix through that layer's state as well as through K/V. PrefixFlow caches "
-                "only K/V and would train it wrongly; train this model with the plain trainer."
+                f"{owner}: layer {index} has layer type {kind!r}: {how}, so a suffix depends on the prefix through "
+                "more than the K/V PrefixFlow caches and the causal masks it builds. PrefixFlow would train it "
+                "wrongly; train this model with the plain trainer."
             )
     for name, module in _decoder_named_modules(model):
         cls = type(module).__name__
@@ -65,6 +83,14 @@ def check_structure(model: PreTrainedModel) -> None:
                     "prefix through it as well as through K/V. PrefixFlow caches only K/V and would train it "
                     "wrongly; train this model with the plain trainer."
                 )
+        if isinstance(module, torch.nn.Identity) and "expert" in name.rsplit(".", 1)[-1]:
+            raise PrefixFlowError(
+                f"{owner}: {name} is a zero-computation (identity) MoE expert. When every completion token of a "
+                "step routes only to such experts in the last layer, the expert weights get no gradient under "
+                "PrefixFlow (only prompt tokens reached them there, and nothing reads the prompt's last-layer "
+                "output), where full sequences give them a zero one, which optimizers with momentum or weight "
+                "decay still act on. Train this model with the plain trainer."
+            )
 
 
 def _decoder_named_modules(model: PreTrainedModel):
@@ -79,40 +105,57 @@ _SIZES = {
     "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "head_dim": 8, "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 16, "ffn_hidden_size": 48, "n_inner": 48, "d_ff": 48,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2,
-    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "qk_head_dim": 12,
+    # MLA: DeepSeek's rotary dimension is `head_dim`, so the rotary part of a query/key head is as wide as head_dim
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "qk_head_dim": 16,
     "v_head_dim": 8, "n_group": 1, "topk_group": 1, "num_shared_experts": 1, "n_shared_experts": 1,
     "global_head_dim": 8, "num_global_key_value_heads": 2, "hidden_size_per_layer_input": 8,
-    "vocab_size_per_layer_input": 97, "laurel_rank": 4, "altup_num_inputs": 2,
+    "vocab_size_per_layer_input": 97, "laurel_rank": 4, "altup_num_inputs": 2, "rotary_dim": 4,
+    "first_k_dense_replace": 1, "num_dense_layers": 1,  # leading dense layers: one, so a tiny copy keeps MoE layers
+    # encoder-decoder and fairseq-style names
+    "d_model": 32, "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 48,
+    "encoder_ffn_dim": 48, "decoder_layers": 2, "encoder_layers": 2,
+}
+_AT_MOST = ("num_shared_experts", "n_shared_experts", "num_experts_per_tok", "moe_topk", "rotary_dim",
+            "first_k_dense_replace", "num_dense_layers", "decoder_layers", "encoder_layers")
+# Left unset (None) by some families' default configs although their layers need them.
+_UNSET = ("head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+# Vision and audio towers and their projectors: the probe feeds text only, so they need only be built, and small.
+_TOWER_SIZES = {
+    "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_heads": 4, "head_dim": 8,
+    "embed_dim": 32, "out_hidden_size": 32, "projection_dim": 32, "vision_output_dim": 32, "mlp_dim": 48,
+    "projector_hidden_size": 32, "num_hidden_layers": 2, "depth": 2, "num_layers": 2, "num_blocks": 2,
+    "num_key_value_heads": 4, "hidden_size_global": 32,
 }
 _MAX_LAYERS = 8
 VOCAB = 97
+# Token ids that must index the tiny vocabulary; others (image, audio, vision-start placeholders) stay above it, so
+# random text never holds them, as a text-only batch does not.
+_TEXT_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+                   "unk_token_id", "decoder_start_token_id")
 
 
-def tiny_config(config):
+def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
     """A copy of `config` with the same family and options at tiny sizes: 32 hidden, 4 heads of 8, a vocabulary of
-    97, at most 8 layers (covering every kind in `layer_types`), 4 experts; no dropout and no router jitter."""
+    97, at most 8 layers (covering every kind in `layer_types`, and the layers that share them their K/V), 4
+    experts; vision and audio towers of 2 layers at 32 hidden; no dropout and no router jitter."""
     config = copy.deepcopy(config)
     text = config.get_text_config()
-    heads = getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None)
-    for name, value in _SIZES.items():
-        current = getattr(text, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
-            _set(text, name, min(current, value) if name in _AT_MOST else value)
-    if isinstance(heads, int) and hasattr(text, "num_key_value_heads"):
-        kv_heads = kv_heads if isinstance(kv_heads, int) else heads
-        _set(text, "num_key_value_heads", 1 if kv_heads == 1 else 4 if kv_heads >= heads else 2)
-    layers = getattr(text, "num_hidden_layers", None)
-    if isinstance(layers, int):
-        kinds = list(getattr(text, "layer_types", None) or [])
-        keep = min(layers, max(2, _covering(kinds)), _MAX_LAYERS)
-        _truncate_per_layer_lists(text, layers, keep)
-        text.num_hidden_layers = keep
-    if isinstance(getattr(text, "sliding_window", None), int):
-        text.sliding_window = 4  # shorter than the probe's sequences: windows are exercised
+    configs = nested_configs(config)
+    for tower in configs:
+        if tower is not text:
+            for name, value in _TOWER_SIZES.items():
+                current = _get(tower, name)
+                if isinstance(current, int) and not isinstance(current, bool) and current > value:
+                    _set(tower, name, value)
+    _shrink_text(text)
+    for name, value in vars(text).items():  # extra vocabularies (hashed n-grams, per-layer inputs) too
+        if re.search(r"vocab(_size)?$", name) and isinstance(value, int) and value > VOCAB:
+            setattr(text, name, VOCAB)
     text.vocab_size = VOCAB
-    for obj in {id(config): config, id(text): text}.values():
+    for obj in configs:
         _clamp_token_ids(obj)
+        if _has(obj, "use_cache"):
+            obj.use_cache = False  # training builds no inference cache (nor do PrefixFlow's own forwards)
         for name, value in vars(obj).items():
             if isinstance(value, float) and ("dropout" in name or "pdrop" in name or "jitter" in name):
                 setattr(obj, name, 0.0)
@@ -121,7 +164,107 @@ def tiny_config(config):
     return config
 
 
-_AT_MOST = ("num_shared_experts", "n_shared_experts", "num_experts_per_tok", "moe_topk")
+def _shrink_text(text: PretrainedConfig) -> None:
+    heads, kv_heads = _get(text, "num_attention_heads"), _get(text, "num_key_value_heads")
+    before = {name: _get(text, name) for name in _SIZES}
+    for name, value in _SIZES.items():
+        current = before[name]
+        if isinstance(current, int) and not isinstance(current, bool) and current > 0:
+            _set(text, name, min(current, value) if name in _AT_MOST else value)
+        elif current is None and name in _UNSET and _has(text, name):
+            _set(text, name, value)
+    if isinstance(heads, int) and _has(text, "num_key_value_heads"):
+        kv_heads = kv_heads if isinstance(kv_heads, int) else heads
+        _set(text, "num_key_value_heads", 1 if kv_heads == 1 else 4 if kv_heads >= heads else 2)
+    _shrink_per_layer_overrides(text, before)
+    _fit_rope_sections(text)
+    layers = _get(text, "num_hidden_layers")
+    if isinstance(layers, int):
+        kinds = list(_get(text, "layer_types") or [])
+        keep = min(layers, max(2, _covering(kinds)), _MAX_LAYERS)
+        shared = _get(text, "num_kv_shared_layers")
+        if isinstance(shared, int) and shared > 0:  # the last layers reuse earlier layers' K/V: keep both kinds
+            keep = min(layers, 2 * keep)
+            text.num_kv_shared_layers = keep // 2
+        _split_layer_groups(text, layers, keep)
+        _truncate_per_layer_lists(text, layers, keep)
+        text.num_hidden_layers = keep
+    for name in ("sliding_window", "attention_chunk_size"):
+        if isinstance(_get(text, name), int):
+            setattr(text, name, 4)  # shorter than the probe's sequences: windows and chunks are exercised
+
+
+def _get(config: PretrainedConfig, name: str):
+    """`config.name` or None, also for per-layer attributes of heterogeneous configs (transformers 5.24), which
+    refuse global reads."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    return read(name, None) if read is not None else getattr(config, name, None)
+
+
+def _has(config: PretrainedConfig, name: str) -> bool:
+    return name in vars(config) or name in getattr(config, "attribute_map", {})
+
+
+def _shrink_per_layer_overrides(text: PretrainedConfig, before: dict) -> None:
+    """Per-layer sizes of a heterogeneous config: twice or half the tiny global size where the layer's value is
+    above or below the global one, so layers still differ."""
+    spec = vars(text).get("_heterogeneity_spec")
+    for overrides in (spec.per_layer_overrides.values() if spec is not None else ()):
+        for name, value in overrides.items():
+            tiny, global_value = _get(text, name), before.get(name)
+            if name not in _SIZES or not all(isinstance(v, int) for v in (value, tiny, global_value)):
+                continue
+            if value > global_value:
+                overrides[name] = tiny * 2
+            elif value < global_value:
+                overrides[name] = max(1, tiny // 2)
+            else:
+                overrides[name] = tiny
+
+
+def _fit_rope_sections(text: PretrainedConfig) -> None:
+    """Multimodal RoPE's `mrope_section` (rotary frequencies per position axis) fitted to the tiny rotary size:
+    scaled where the config has one, drawn where the family takes one (real checkpoints set it)."""
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict) or "mrope_section" not in getattr(text, "ignore_keys_at_rope_validation", ()):
+        return
+    head_dim = _get(text, "head_dim") or _get(text, "hidden_size") // _get(text, "num_attention_heads")
+    target = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    sections = rope.get("mrope_section") or [1, 1, 1]
+    if target < len(sections):
+        return
+    total = sum(sections)
+    scaled = [max(1, s * target // total) for s in sections]
+    for index in sorted(range(len(scaled)), key=lambda i: sections[i] * target / total - scaled[i], reverse=True):
+        scaled[index] += sum(scaled) < target
+    rope["mrope_section"] = scaled
+
+
+def _split_layer_groups(text: PretrainedConfig, layers: int, keep: int) -> None:
+    """Counts of layers per stage (`n_input_layers`, `n_recurrent_layers` ...) that add up to the layer count:
+    shared out over the layers kept, at least one each."""
+    groups = {name: value for name, value in vars(text).items() if re.fullmatch(r"(n|num)_\w+_layers", name)
+              and name not in ("num_hidden_layers", "num_kv_shared_layers") and isinstance(value, int)
+              and not isinstance(value, bool) and value > 0}
+    if len(groups) < 2 or sum(groups.values()) != layers or keep < len(groups):
+        return
+    shares = {name: max(1, value * keep // layers) for name, value in groups.items()}
+    largest = max(shares, key=shares.get)
+    shares[largest] += keep - sum(shares.values())
+    for name, value in shares.items():
+        setattr(text, name, value)
+
+
+def nested_configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """`config` and every configuration nested in it (text, vision, audio ...), each once."""
+    found, stack = {}, [config]
+    while stack:
+        current = stack.pop()
+        if id(current) in found:
+            continue
+        found[id(current)] = current
+        stack.extend(v for v in vars(current).values() if isinstance(v, PretrainedConfig))
+    return list(found.values())
 
 
 def _set(config, name: str, value) -> None:
@@ -141,20 +284,58 @@ def _covering(kinds: list) -> int:
     return 0
 
 
-def _truncate_per_layer_lists(config, layers: int, keep: int) -> None:
+def _truncate_per_layer_lists(config: PretrainedConfig, layers: int, keep: int) -> None:
     for name, value in list(vars(config).items()):
         if isinstance(value, (list, tuple)) and len(value) == layers and not name.startswith("_"):
             setattr(config, name, type(value)(value[:keep]))
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is not None:
+        for index in [i for i in spec.per_layer_overrides if i >= keep]:
+            del spec.per_layer_overrides[index]
 
 
-def _clamp_token_ids(config) -> None:
+def _clamp_token_ids(config: PretrainedConfig) -> None:
     for name, value in list(vars(config).items()):
-        if not name.endswith("token_id"):
+        if name.lstrip("_") not in _TEXT_TOKEN_IDS:
             continue
         if isinstance(value, int) and value >= VOCAB:
             setattr(config, name, VOCAB - 1)
         elif isinstance(value, list):
             setattr(config, name, [v if v < VOCAB else VOCAB - 1 for v in value])
+
+
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)
+_NARROWING_METHODS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+
+class float64_throughout(TorchFunctionMode):
+    """Inside this mode, casts of a float64 tensor to a narrower float keep float64: norms and softmaxes that
+    upcast "to float32" narrow a float64 model. Rounding a sum of gradients differs from summing rounded gradients,
+    so such casts make two exact computations of one gradient differ by float32 noise (up to 1e-4 of a scalar
+    gradient that sums cancelling terms); in float64 throughout they agree to ~1e-13, and a 1e-5 tolerance
+    separates exact from inexact. Backward passes run outside the mode (they cast nothing a forward did not);
+    checkpoint recomputes inside them take it up through `recompute_in_float64`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if func in _NARROWING_METHODS:
+                return args[0]
+            if func in (torch.Tensor.to, torch.Tensor.type):
+                args = tuple(torch.float64 if a in _NARROW else a for a in args)
+            if kwargs.get("dtype") in _NARROW:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def recompute_in_float64(model: torch.nn.Module) -> None:
+    """Make `model`'s non-reentrant activation checkpointing recompute under `float64_throughout`, as its forward
+    ran (torch's `context_fn`)."""
+    for module in model.modules():
+        function = compat.checkpoint_function(module)
+        if isinstance(function, functools.partial):
+            compat.set_checkpoint_function(module, functools.partial(
+                function, context_fn=lambda: (contextlib.nullcontext(), float64_throughout())))
 
 
 def build_tiny(model_cls: type, config, attn: str, seed: int = 0) -> PreTrainedModel:
@@ -199,6 +380,22 @@ def probe(model: PreTrainedModel) -> ProbeResult:
 
 
 def _run_probe(model_cls: type, config, attn: str) -> ProbeResult:
+    with _one_thread(), float64_throughout():
+        return _probe_tiny(model_cls, config, attn)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread for the tiny copy: more only add synchronisation (tenfold on busy cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_tiny(model_cls: type, config, attn: str) -> ProbeResult:
     from .model import enable  # the switch without a probe
 
     owner = model_cls.__name__
@@ -210,7 +407,7 @@ def _run_probe(model_cls: type, config, attn: str) -> ProbeResult:
     except Exception as exc:  # noqa: BLE001 - any failure to build or run the copy means "could not probe"
         why = f"a tiny {owner} could not be built or run ({type(exc).__name__}: {str(exc)[:200]})"
         warnings.warn(f"PrefixFlow could not probe {owner}: {why}. Its structure was checked; its gradients were "
-                      "not compared with full sequences.", stacklevel=4)
+                      "not compared with full sequences.", stacklevel=5)
         return ProbeResult(skipped=why)
     candidate = copy.deepcopy(reference)
     enable(candidate)
@@ -219,19 +416,31 @@ def _run_probe(model_cls: type, config, attn: str) -> ProbeResult:
     if reference.supports_gradient_checkpointing:
         for tiny in (reference, candidate):
             compat.enable_checkpointing(tiny, use_reentrant=False)
+            recompute_in_float64(tiny)
     _compare(reference, candidate, owner)
     return result
 
 
 def _reach(model: PreTrainedModel) -> ProbeResult:
-    """Which attention calls receive the model's kwargs: a forward carrying `attention.REACH`."""
+    """Which attention calls receive the model's kwargs: a forward carrying `attention.REACH`. Each call is checked
+    to run once, and to receive the sliding window its layer has (PrefixFlow's wave masks need it)."""
+    name = model.config._attn_implementation
+    registered = ALL_ATTENTION_FUNCTIONS[name]
+    windows = []
+
+    def spy(module, *args, **kwargs):
+        windows.append(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+        return registered(module, *args, **kwargs)
+
     attention.REACH.calls = []
+    AttentionInterface.register(name, spy)
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([[3, 4, 5]]), **{attention.PASS_KWARG: attention.REACH})
         calls = attention.REACH.calls
     finally:
         attention.REACH.calls = None
+        AttentionInterface.register(name, registered)
     owner = type(model).__name__
     if not calls:
         raise PrefixFlowError(
@@ -240,6 +449,7 @@ def _reach(model: PreTrainedModel) -> ProbeResult:
             "with the plain trainer."
         )
     names = {id(m): n for n, m in model.named_modules()}
+    _check_calls(model, [(module, names[id(module)], window) for (module, _), window in zip(calls, windows)])
     layers = {id(layer): layer for _, layer in _decoder_layers(model)}
     result = ProbeResult()
     for module, reached in calls:
@@ -248,6 +458,31 @@ def _reach(model: PreTrainedModel) -> ProbeResult:
             result.bridged_layers.add(type(layer).__name__)
             result.attention_classes.add(type(module).__name__)
     return result
+
+
+def _check_calls(model: PreTrainedModel, calls: list[tuple[torch.nn.Module, str, int | None]]) -> None:
+    """Refuse attention layers that run twice per forward, and sliding windows only the model's masks carry."""
+    owner = type(model).__name__
+    text = model.config.get_text_config()
+    window, kinds = _get(text, "sliding_window"), _get(text, "layer_types") or []
+    seen = set()
+    for module, name, got in calls:
+        index = getattr(module, "layer_idx", None)
+        if (index if index is not None else id(module)) in seen:
+            raise PrefixFlowError(
+                f"{owner}: the attention of layer index {index} ({name}) ran more than once in one forward: its "
+                "layers are looped or share an index. PrefixFlow keeps one prefix K/V per attention layer index, "
+                "so later calls would read the first call's K/V. Train this model with the plain trainer."
+            )
+        seen.add(index if index is not None else id(module))
+        windowed = not kinds or (isinstance(index, int) and index < len(kinds) and "sliding" in kinds[index])
+        if isinstance(window, int) and windowed and got is None:
+            raise PrefixFlowError(
+                f"{owner}: config.sliding_window is {window} but {name} ({type(module).__name__}) receives no "
+                "sliding_window (neither as an argument nor as an attribute): the window lives only in the masks "
+                "the model builds, and PrefixFlow builds its own masks for suffix waves, which would then attend "
+                "past the window. Train this model with the plain trainer (or with sliding_window=None)."
+            )
 
 
 def _enclosing_layer(model: torch.nn.Module, name: str, layers: dict) -> torch.nn.Module:

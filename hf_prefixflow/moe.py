@@ -2,8 +2,8 @@
 
 One prefix forward can stand for N trajectories only if every prefix token picks the same experts in each of them.
 Recording keeps the top-k indices the router chose (e.g. during generation); replay forces those indices while the
-gate weights still come from the router's fresh logits (softmax, gather at the replayed experts, renormalised as
-the model does), so the router keeps its gradient and expert choice no longer depends on batch composition.
+gate weights still come from the router's own logits, turned into weights for the replayed experts as that router
+family does (`ADAPTERS`), so the router keeps its gradient and expert choice no longer depends on batch composition.
 
 Routes travel as a model kwarg, `prefixflow_routes`, a LongTensor `[num_layers, B, T, k]` aligned with the forward's
 tokens; -1 marks a token generation never ran (a completion's last token), which the router then routes itself. The
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from . import _compat as compat
 from .errors import PrefixFlowError
@@ -29,16 +28,60 @@ ROUTES_KWARG = "prefixflow_routes"
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How a router family turns logits into gate weights: which experts count, and the dtype it returns."""
+    """How a router family turns its logits into the gate weights of given experts, as its own forward does, so
+    that replaying the experts it would pick reproduces its output: `gates(router, logits, experts, hidden)`."""
 
-    normalize: Callable[[torch.nn.Module], bool]
-    scores_in_logit_dtype: bool
+    gates: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     jitter_attribute: str | None = None  # the MoE block's noise knob, which replay requires off
 
 
+def softmax_gates(normalize: Callable[[torch.nn.Module], bool], in_logit_dtype: bool) -> Callable:
+    """A float32 softmax over every expert, gathered at the experts and renormalised over them where `normalize`
+    says so, returned in the logits' dtype or in float32 (Qwen-MoE, OLMoE, Mixtral)."""
+
+    def gates(router, logits, experts, hidden):
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, experts)
+        if normalize(router):
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return scores.to(logits.dtype) if in_logit_dtype else scores
+
+    return gates
+
+
+def _chosen_softmax_gates(router, logits, experts, hidden):
+    # GraniteMoE: a softmax over the chosen experts' logits only, in the hidden states' dtype.
+    return torch.softmax(logits.gather(-1, experts), dim=-1).type_as(hidden)
+
+
+def _chosen_softmax_in_logit_dtype(router, logits, experts, hidden):
+    # gpt-oss: the same in the logits' dtype (its logits carry the router's bias).
+    return torch.softmax(logits.gather(-1, experts), dim=-1, dtype=logits.dtype)
+
+
+def _sigmoid_gates(router, logits, experts, hidden):
+    # DeepSeek-V3: sigmoid scores of the chosen experts, renormalised, scaled. Its grouped choice over bias-corrected
+    # scores only picks the experts, which replay gives.
+    weights = logits.sigmoid().gather(-1, experts)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+_QWEN = softmax_gates(lambda r: bool(r.norm_topk_prob), in_logit_dtype=True)
 ADAPTERS: dict[str, RouterAdapter] = {
-    "Qwen3MoeTopKRouter": RouterAdapter(lambda r: bool(r.norm_topk_prob), scores_in_logit_dtype=True),
-    "MixtralTopKRouter": RouterAdapter(lambda r: True, scores_in_logit_dtype=False, jitter_attribute="jitter_noise"),
+    "Qwen3MoeTopKRouter": RouterAdapter(_QWEN),
+    "Qwen2MoeTopKRouter": RouterAdapter(_QWEN),
+    "OlmoeTopKRouter": RouterAdapter(_QWEN),
+    "MixtralTopKRouter": RouterAdapter(softmax_gates(lambda r: True, in_logit_dtype=False),
+                                       jitter_attribute="jitter_noise"),
+    "GraniteMoeTopKRouter": RouterAdapter(_chosen_softmax_gates),
+    "GptOssTopKRouter": RouterAdapter(_chosen_softmax_in_logit_dtype),
+    "DeepseekV3TopkRouter": RouterAdapter(_sigmoid_gates),
+}
+# Routers replay cannot reproduce, and why.
+NO_REPLAY = {
+    "PhimoeTopKRouter": "sparsemixer samples experts (Gumbel) and estimates their gradient with random Heun masks in "
+                        "training: forced experts have no gate weight of its own to reproduce",
 }
 
 _published: dict[int, tuple] = {}  # layer -> (routes or None, logits sink or None) for the router about to run
@@ -47,7 +90,7 @@ PUBLISHES = "_prefixflow_publishes_routes"  # set on the attention modules of la
 
 
 def register_router(class_name: str, adapter: RouterAdapter) -> None:
-    """Teach replay a new router class (a few lines per family)."""
+    """Teach replay a new router class (a few lines per family: its gate weights for given experts)."""
     ADAPTERS[class_name] = adapter
 
 
@@ -58,25 +101,19 @@ def publish(layer_idx: int, routes: torch.Tensor | None, sink: Callable | None =
     _published[layer_idx] = (flat, sink)
 
 
-def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, indices: torch.Tensor):
-    hidden = hidden.reshape(-1, router.weight.shape[1])
-    if indices.shape[0] != hidden.shape[0]:
+def _replay(router, adapter: RouterAdapter, hidden: torch.Tensor, output: tuple, routes: torch.Tensor) -> tuple:
+    """The router's output with its experts replaced by `routes` ([tokens, k]; -1: not recorded, keep its own) and
+    gate weights recomputed for them from its own logits, which keep their gradient."""
+    logits, own = output[0], output[2]
+    if routes.shape[0] != own.shape[0]:
         raise PrefixFlowError(
-            f"routing replay data covers {indices.shape[0]} tokens but this forward routes {hidden.shape[0]}; the "
+            f"routing replay data covers {routes.shape[0]} tokens but this forward routes {own.shape[0]}; the "
             "routes must be aligned with the forward's input tokens."
         )
-    if indices.shape[1] != router.top_k:
-        raise PrefixFlowError(f"routing replay data must hold {router.top_k} expert indices per token.")
-    logits = F.linear(hidden, router.weight)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    indices = indices.to(logits.device)
-    indices = torch.where(indices < 0, torch.topk(probs, router.top_k, dim=-1).indices, indices)  # -1: not recorded
-    scores = probs.gather(-1, indices)
-    if adapter.normalize(router):
-        scores = scores / scores.sum(dim=-1, keepdim=True)
-    if adapter.scores_in_logit_dtype:
-        scores = scores.to(logits.dtype)
-    return logits, scores, indices
+    if routes.shape[1] != own.shape[-1]:
+        raise PrefixFlowError(f"routing replay data must hold {own.shape[-1]} expert indices per token.")
+    experts = torch.where(routes < 0, own, routes.to(own.device))
+    return logits, adapter.gates(router, logits, experts, hidden), experts
 
 
 @compat.dynamo_disable  # keyed by layer index: compiled inline, each layer would be a graph of its own
@@ -84,7 +121,7 @@ def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
     # A module-level hook that receives the router: deep copies of the model (reference models) keep working.
     routes, sink = _published.pop(router._prefixflow_layer, (None, None))
     if routes is not None:
-        output = _replay(router, ADAPTERS[type(router).__name__], args[0], routes)
+        output = _replay(router, ADAPTERS[type(router).__name__], args[0], output, routes)
     else:
         for recorder in _recorders:
             recorder.add(router._prefixflow_layer, output[2])

@@ -1,0 +1,81 @@
+"""A representative subset of the family sweep (`benchmarks/families.py`): what apply_prefixflow accepts trains
+exactly (the real equivalence check: random groups, padded and packed waves, SGD steps, float64 throughout), what
+it cannot train exactly it refuses, naming the cause."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hf_prefixflow import architecture
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import families  # noqa: E402
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 models run fastest on one intra-op thread: more only add synchronisation on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+LFM2_CONV = {"layer_types": ["full_attention", "conv"], "num_hidden_layers": 2}
+
+# (model type, config options, outcome, words the detail must hold)
+CASES = [
+    ("llama", {}, families.EXACT, []),
+    ("qwen3", {}, families.EXACT, []),
+    ("stablelm", {}, families.EXACT, []),  # its layers drop the model's kwargs: the bridge carries the marker
+    ("nemotron", {}, families.EXACT, []),
+    ("gemma3_text", {}, families.EXACT, []),  # sliding and full layers, softcapping off
+    ("olmo3", {}, families.EXACT, []),  # sliding windows on three layers of four
+    ("gpt_oss", {}, families.EXACT, []),  # attention sinks, sliding windows, MoE
+    ("deepseek_v3", {}, families.EXACT, []),  # MLA, a dense layer then an MoE one
+    ("phimoe", {}, families.EXACT, []),
+    ("phimoe", {"sliding_window": 4}, families.REFUSED, ["receives no sliding_window", "PhimoeAttention"]),
+    ("lfm2", LFM2_CONV, families.REFUSED, ["Lfm2ForCausalLM", "'conv'", "convolution"]),
+    ("falcon_h1", {}, families.REFUSED, ["FalconH1ForCausalLM", "state-space"]),
+    ("qwen3_next", {}, families.REFUSED, ["Qwen3NextForCausalLM", "'linear_attention'"]),
+    ("falcon", {}, families.REFUSED, ["FalconForCausalLM", "AttentionInterface"]),
+    ("dory", {}, families.REFUSED, ["ran more than once in one forward"]),  # looped layers
+]
+
+
+def run(model_type: str, options: dict) -> tuple[str, str, str]:
+    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return families.run_variant(model_cls, CONFIG_MAPPING[model_type](**options))
+
+
+@pytest.mark.parametrize("model_type, options, outcome, words", CASES,
+                         ids=[f"{c[0]}{'-' + '-'.join(c[1]) if c[1] else ''}" for c in CASES])
+def test_accepted_families_train_exactly_and_the_rest_are_refused(model_type, options, outcome, words):
+    found, detail, _ = run(model_type, options)
+    assert found == outcome, f"{model_type} {options}: {found}: {detail}"
+    for word in words:
+        assert word in detail
+
+
+def test_without_the_checks_the_sweep_flags_lfm2_with_conv_layers(monkeypatch):
+    """The broken variant: with the structural check and the probe gone, apply_prefixflow accepts LFM2's
+    convolution layers and the sweep's exactness check catches the wrong gradients."""
+    monkeypatch.setattr(architecture, "check_structure", lambda model: None)
+    monkeypatch.setattr(architecture, "probe", lambda model: architecture.ProbeResult())
+    found, detail, _ = run("lfm2", LFM2_CONV)
+    assert found == families.WRONG, detail
+    assert "grad" in detail or "loss" in detail
+
+
+def test_the_committed_sweep_has_no_accepted_and_wrong_family():
+    rows = json.loads((ROOT / "benchmarks" / "results" / "families" / "families.json").read_text())["families"]
+    assert len(rows) >= len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert [r["model_type"] for r in rows if r["outcome"] in families.BUGS] == []
