@@ -1,64 +1,71 @@
-"""Memory on one GPU (paper Claim 4): the baseline's peak against PrefixFlow's Phase-B peak with and without
-offload, step times, and the capacity frontier.
+"""Memory like for like on one GPU: full-sequence training (the baseline) against PrefixFlow under the same
+activation-checkpointing policy and the same rows per microbatch, each measured peak beside `hf_prefixflow.plan`'s
+estimate, and the capacity frontier both ways under a device cap.
 
-    PYTHONPATH=. python benchmarks/memory.py --out $OUT            # about 6-7 minutes on one H200
-    PYTHONPATH=. python benchmarks/memory.py --tiny --out /tmp/mem  # CPU smoke run of every code path
+    PYTHONPATH=benchmarks:. python benchmarks/memory.py --out benchmarks/results/<date>_memory_like_for_like
+    PYTHONPATH=benchmarks:. python benchmarks/memory.py --tiny --out /tmp/mem      # CPU, every code path, seconds
 
-Setup, the same for every mode: one model object (speed.py's `build`: the Qwen3-1.7B shape from config, bf16
-weights and gradients, SDPA, full-parameter, activation checkpointing only with --checkpointing) and speed.py's loss
-on suffix tokens.
-A *step* is one group, gradients set to None before it (as after an optimizer step), no optimizer step:
-  baseline    N rows [P || S_i] forward+backward, --wave rows per forward, logits only for suffix tokens;
-  PrefixFlow  Phase A (prefix forward), N suffix waves of --wave rows forward+backward, Phase C.
-Peaks are torch.cuda.max_memory_allocated, weights and gradients included (`static_gib`). The allocator counts in
-program order, so the Phase-B peak is the statistic reset when Phase A returns and read before Phase C, with no
-synchronisation that would change the timing (a tensor waiting for its offload copy counts as freed; the
-allocator waits for such copies before it reports out-of-memory, so the frontier search sees their cost).
-No checkpointing by default: with per-layer checkpointing the prefix keeps only each layer's input (offloaded as
-well, see tests/test_offload.py) while its K/V and fp32 gK/gV are 3x that, so little dormant state is left to move
-(and offload costs little); the paper's default, selective checkpointing, lies between the two.
+Setup: one model object per shape (speed.py's `build`: random weights from the shape's config, bf16 weights and
+gradients, SDPA, full-parameter) and speed.py's loss on suffix tokens; the logits are not held past the loss. Both
+sides run under the same policy (`--policies`):
+  none       no activation checkpointing;
+  full       every decoder layer checkpointed, non-reentrant (TRL's default);
+  selective  every decoder layer under torch's selective checkpointing, matrix multiplies' outputs kept.
+PrefixFlow may add offload (`--offload off,on`). Recompute beyond the policy is named in each row (`extra_recompute`):
+under `none`, offload checkpoints `--prefix-recompute` of the prompt's layers for Phase C to recompute.
+A *step* is one group, no optimizer step, the gradients allocated and zeroed before it (as inside an accumulation
+window): the baseline trains N rows [P || S_i], `--rows` per forward; PrefixFlow runs Phase A, N/rows waves of
+`--rows` completions and Phase C. Peaks are torch.cuda.max_memory_allocated, weights and gradients included; the
+Phase-B peak is the statistic reset when Phase A returns and read before Phase C.
 
- 1. fixed total: --total tokens split as --splits, N=--n; a warm-up step per (split, mode), then --repeats
-    rounds of one timed step per mode (interleaved) at --timed-split, --repeats-other elsewhere (time: median;
-    peaks: the last step; the offload cost: the median of each round's offload step over its PrefixFlow step).
- 2. frontier: per mode, the longest total length that trains at --frontier-split's prefix ratio with
-    N=--frontier-n: doubling from --frontier-start, then bisection to --frontier-resolution, under a device
-    cap of --frontier-cap-gib (set_per_process_memory_fraction; the H200's 139 GiB would need lengths whose
-    pinned pool exceeds the host's memory and minutes per trial). An offload trial whose predicted pinned pool
-    exceeds --host-budget-gib is not run and counts as failed with that reason. --frontier-mode-s caps each mode.
- 3. long prefix: P = the shortest total the baseline failed at plus --frontier-resolution; a baseline step on
-    [P || 256], and
-    PrefixFlow+offload with the longest of a few suffixes that trains.
-Everything stops at --deadline-s and writes what it has (memory.json, memory.md, memory.png) after each section.
+ 1. fixed: the splits of `--splits` at N=`--n`; per split and policy a warm-up step per side on `--warmup-rows`
+    completions, then `--repeats` interleaved rounds (`--repeats-other` away from `--timed-split`) of one step per
+    side (time: median; peaks: the highest). Every row has the planner's estimates and their error.
+ 2. frontier: under a device cap of `--frontier-cap-gib` (set_per_process_memory_fraction), per policy and side the
+    longest trainable P + S at the proportions of `--frontier-proportions` and the longest P with S =
+    `--frontier-suffix`: a bracket seeded at the planner's prediction (steps of an eighth of it, doubling, until one
+    length trains and one fails), then bisection to `--frontier-resolution`. A trial allocates the gradients and runs
+    one microbatch of `--rows` rows (the baseline: each further one repeats its peak) or two waves (PrefixFlow: the
+    second holds gK/gV); out-of-memory fails it. An offload trial whose pinned pool would exceed `--host-budget-gib`
+    fails without running. `--frontier-search-s` caps each search.
+No new step starts after `--deadline-s`; memory_like_for_like.json and .md are rewritten after every row and search.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
 import torch
 import transformers
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow.model import unwrap
+from hf_prefixflow import planner
+from hf_prefixflow.model import config_of, unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE
 from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30
-MODES = ("baseline", "prefixflow", "offload")
-TARGETS = {"phase_b_reduction_at_timed_split": 0.60, "frontier_ratio": 1.8, "offload_time_cost": 0.03}
+POLICIES = ("none", "full", "selective")
+SAVED_OPS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
+TARGETS = {"phase_b_reduction_none": 0.59, "frontier_ratio_none": 1.66, "frontier_ratio_full": 1.66,
+           "plan_phase_b_error": 0.10}
 TINY_SHAPE = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=True)
-TINY_ARGS = dict(total=96, splits="80/16,64/32,48/48,32/64,16/80", timed_split="80/16", n=4, frontier_split="80/16",
-                 frontier_start=32, frontier_resolution=16, frontier_max=1024, tiny_oom_tokens=200)
+TINY_ARGS = dict(models="tiny", splits="80/16,64/32,48/48,32/64,16/80", timed_split="80/16", n=4, warmup_rows=2,
+                 policies="none,full,selective", frontier_proportions="80/16", frontier_suffix=16,
+                 frontier_resolution=16, frontier_max=1024, frontier_cap_gib=0.0035, tiny_oom_tokens=200)
 
 
 class Bench:
@@ -71,16 +78,24 @@ class Bench:
                    if not args.tiny and not hasattr(owner, name)]
         if missing:
             raise SystemExit(f"this torch lacks {missing}, which bound the pinned host pool between steps")
-        self.model = build_tiny() if args.tiny else build(args.model, compile=args.compile)
-        if args.checkpointing:  # baseline and PrefixFlow alike
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.vocab = self.model.config.vocab_size
         self.started = time.monotonic()
         self.deadline = self.started + args.deadline_s
+        self.model: torch.nn.Module | None = None
+        self.name = ""
         self.trial_total = 0  # --tiny: the length the next step runs at, for the simulated out-of-memory
         self.phase_ms: dict[str, float] = {}  # the last step's milliseconds per phase (CUDA only)
-        self.host_bytes_per_token = 0.0  # offload: pinned bytes per cached prefix token, measured by the steps
-        if args.tiny:
+        self.host_bytes_per_token = 0.0  # offload: pinned bytes per cached prompt token, measured by the steps
+
+    def load(self, name: str) -> None:
+        """Build the model of shape `name` (dropping the previous one)."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.name = name
+        self.model = build_tiny() if self.args.tiny else build(name)
+        self.host_bytes_per_token = 0.0
+        if self.args.tiny:
             self.model.model.layers[0].register_forward_pre_hook(self._simulated_oom)
 
     def _simulated_oom(self, module, args) -> None:
@@ -99,12 +114,28 @@ class Bench:
 
     def group(self, prefix: int, suffix: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        prompt = torch.randint(0, self.vocab, (prefix,), device=self.device, generator=gen)
-        return prompt, list(torch.randint(0, self.vocab, (n, suffix), device=self.device, generator=gen))
+        vocab = self.model.config.vocab_size
+        prompt = torch.randint(0, vocab, (prefix,), device=self.device, generator=gen)
+        return prompt, list(torch.randint(0, vocab, (n, suffix), device=self.device, generator=gen))
 
     def static_gib(self) -> float:
         """Weights plus their gradients."""
         return 2 * sum(p.numel() * p.element_size() for p in self.model.parameters()) / GIB
+
+    def configure(self, policy: str, offload: bool) -> float:
+        """Set the checkpointing policy (both sides) and PrefixFlow's offload; returns the prompt's recompute share
+        beyond the policy (0 when there is none)."""
+        set_policy(self.model, policy)
+        share = self.args.prefix_recompute if offload and policy == "none" else 0.0
+        hf_prefixflow.apply_prefixflow(self.model, offload=offload, prefix_recompute=share)
+        return share
+
+    def estimate(self, policy: str, offload: bool, share: float, prefix: int, suffix: int,
+                 n: int) -> planner.MemoryPlan:
+        """The planner's estimate for exactly what runs (no knob left to choose)."""
+        rows = self.args.rows
+        return planner.plan(self.model, prefix, suffix, n, float("inf"), policy, rows_per_microbatch=rows,
+                            wave_size=rows, offload=offload, suffix_checkpointing=True, prefix_recompute=share)
 
 
 def build_tiny() -> torch.nn.Module:
@@ -113,6 +144,33 @@ def build_tiny() -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return hf_prefixflow.apply_prefixflow(model.train())
+
+
+def set_policy(model: torch.nn.Module, policy: str) -> None:
+    """transformers' per-layer checkpointing for `policy` (`activation_checkpointing_*` from 5.24 on,
+    `gradient_checkpointing_*` before); selective: torch's selective checkpoint contexts keeping `SAVED_OPS`."""
+    inner = unwrap(model)
+    new_names = hasattr(inner, "activation_checkpointing_enable")
+    if policy == "none":
+        (inner.activation_checkpointing_disable if new_names else inner.gradient_checkpointing_disable)()
+        return
+    kwargs: dict[str, object] = {"use_reentrant": False}
+    if policy == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, SAVED_OPS)
+    if new_names:
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+uncommitted changes" if dirty.stdout.strip() else "")
 
 
 # -- steps and measurement -----------------------------------------------------------------------------------
@@ -139,50 +197,61 @@ class PhasePeaks:
         return {phase: start.elapsed_time(end) for (_, start), (phase, end) in zip(self.events, self.events[1:])}
 
 
-def baseline_step(model, prompt, suffixes, wave: int, mark: Callable[[str | None], None]) -> None:
-    for start in range(0, len(suffixes), wave):
-        batch = torch.stack(suffixes[start : start + wave])
+def baseline_step(model, prompt, suffixes, rows: int, mark: Callable[[str | None], None]) -> None:
+    for start in range(0, len(suffixes), rows):
+        batch = torch.stack(suffixes[start : start + rows])
         ids = torch.cat([prompt.expand(len(batch), -1), batch], dim=1)
-        logits = model(ids, logits_to_keep=batch.shape[1] + 1, use_cache=False).logits[:, :-1]
-        suffix_loss(logits, batch).backward()
+        # the logits live only inside the loss, as in PrefixFlow's waves
+        loss = suffix_loss(model(ids, logits_to_keep=batch.shape[1] + 1, use_cache=False).logits[:, :-1], batch)
+        loss.backward()
     mark("step")
 
 
-def prefixflow_step(model, prompt, suffixes, wave: int, mark: Callable[[str | None], None]) -> None:
+def prefixflow_step(model, prompt, suffixes, rows: int, mark: Callable[[str | None], None]) -> None:
     with hf_prefixflow.prefix_group(model, prompt) as group:
         mark("A")
-        for start in range(0, len(suffixes), wave):
-            batch = torch.stack(suffixes[start : start + wave])
+        for start in range(0, len(suffixes), rows):
+            batch = torch.stack(suffixes[start : start + rows])
             suffix_loss(group(batch).logits, batch).backward()
         mark("B")
     mark("C")
 
 
-def run_step(bench: Bench, mode: str, prompt, suffixes, wave: int) -> tuple[float, dict[str, float]]:
-    """One step of `mode`; its seconds (synchronised at both ends only) and its peaks per phase."""
+def allocate_gradients(model: torch.nn.Module) -> None:
+    """Every trainable parameter's gradient allocated and zero, as inside an accumulation window."""
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+
+
+def run_step(bench: Bench, side: str, prompt, suffixes, rows: int) -> tuple[float, dict[str, float]]:
+    """One step of `side` ("baseline" or "prefixflow"; configured beforehand); its seconds (synchronised at both
+    ends only) and its peaks per phase."""
     model = bench.model
-    offload = mode == "offload"
-    hf_prefixflow.apply_prefixflow(model, offload=offload, prefix_recompute=bench.args.prefix_recompute if offload else 0)
-    model.zero_grad(set_to_none=True)
+    allocate_gradients(model)
     bench.trial_total = len(prompt) + len(suffixes[0])
     peaks = PhasePeaks(bench.device)
     bench.sync()
     peaks.mark(None)
     start = time.perf_counter()
-    (baseline_step if mode == "baseline" else prefixflow_step)(model, prompt, suffixes, wave, peaks.mark)
+    (baseline_step if side == "baseline" else prefixflow_step)(model, prompt, suffixes, rows, peaks.mark)
     bench.sync()
     seconds = time.perf_counter() - start
     bench.phase_ms = peaks.ms()
-    if mode == "offload":
-        cached = len(prompt) - 1
-        bench.host_bytes_per_token = max(bench.host_bytes_per_token, host_pool_bytes(bench) / cached)
+    if side == "prefixflow" and config_of(model).offload:
+        bench.host_bytes_per_token = max(bench.host_bytes_per_token, host_pool_bytes(bench) / (len(prompt) - 1))
     return seconds, peaks.gib
 
 
 def host_pool_bytes(bench: Bench) -> int:
     """Host bytes behind the model's offload pool; pinned buffers come from torch's host allocator, which rounds
     every request up to a power of two."""
-    pool = unwrap(bench.model)._prefixflow_pool
+    pool = getattr(unwrap(bench.model), "_prefixflow_pool", None)
+    if pool is None:
+        return 0
     sizes = [buffer.numel() for buffer in pool.free]
     return sum(1 << (size - 1).bit_length() for size in sizes) if pool.pin else sum(sizes)
 
@@ -192,7 +261,8 @@ def fresh_host_pool(bench: Bench) -> None:
     inner = unwrap(bench.model)
     if hasattr(inner, "_prefixflow_pool"):
         del inner._prefixflow_pool
-    gc.collect()
+    if bench.device.type == "cuda":
+        gc.collect()  # buffers a reference cycle still holds
 
 
 def pinned_bytes() -> int:
@@ -200,81 +270,144 @@ def pinned_bytes() -> int:
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def make_room_on_host(bench: Bench, prefix: int) -> None:
+def make_room_on_host(bench: Bench, need: float) -> None:
     """Return cached pinned blocks to the driver when they and the next offload step would exceed the host
     budget (keeping them otherwise saves pinning again for nearby lengths)."""
-    need = bench.host_bytes_per_token * 1.1 * prefix
     if bench.device.type == "cuda" and pinned_bytes() + need > bench.args.host_budget_gib * GIB:
         torch._C._host_emptyCache()
 
 
 def cleanup(bench: Bench) -> None:
-    bench.model.zero_grad(set_to_none=True)
     fresh_host_pool(bench)
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-# -- 1. fixed total ------------------------------------------------------------------------------------------
+def gib(value: float) -> float:
+    return round(value / GIB, 3)
 
-def fixed_total(bench: Bench) -> list[dict]:
+
+# -- 1. fixed shapes -------------------------------------------------------------------------------------------
+
+def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
     args = bench.args
-    rows = []
-    baseline_warm = False
+    offloads = [mode == "on" for mode in args.offload.split(",")]
     for split in args.splits.split(","):
         prefix, suffix = map(int, split.split("/"))
-        if prefix + suffix != args.total:
-            raise SystemExit(f"split {split} does not add up to --total {args.total}")
         prompt, suffixes = bench.group(prefix, suffix, args.n)
+        warm = suffixes[:max(args.warmup_rows, args.rows)]
         repeats = args.repeats if split == args.timed_split else args.repeats_other
-        if bench.past_deadline():
-            bench.log(f"deadline: fixed-total stops before {split}")
-            return rows
-        fresh_host_pool(bench)
-        make_room_on_host(bench, prefix)
-        for mode in MODES:  # warm-up (the baseline once: its shapes barely change across splits)
-            if mode != "baseline" or not baseline_warm:
-                run_step(bench, mode, prompt, suffixes, args.wave)
-        baseline_warm = True
-        steps: dict[str, list] = {mode: [] for mode in MODES}
-        phases: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        for _ in range(repeats):  # interleaved, so that a drift in the machine's speed meets every mode alike
-            for mode in MODES:
-                steps[mode].append(run_step(bench, mode, prompt, suffixes, args.wave))
-                phases[mode].append(bench.phase_ms)
-        measured = {mode: (statistics.median(s for s, _ in runs), runs[-1][1]) for mode, runs in steps.items()}
-        # Each repeat's offload step against the PrefixFlow step next to it, the median of those ratios.
-        paired_cost = statistics.median(on / off - 1 for (on, _), (off, _) in zip(steps["offload"],
-                                                                                  steps["prefixflow"]))
-        for mode in MODES:
-            medians = {p: round(statistics.median(r[p] for r in phases[mode]), 1) for p in phases[mode][0]}
-            bench.log(f"{split} N={args.n} {mode}: {measured[mode][0]:.3f} s (rounds: "
-                      f"{', '.join(f'{s:.3f}' for s, _ in steps[mode])}), peaks {measured[mode][1]}, "
-                      f"median ms per phase {medians}")
-        base_s, base_peaks = measured["baseline"]
-        for mode in ("prefixflow", "offload"):
-            seconds, peaks = measured[mode]
-            rows.append({
-                "model": bench.args.model, "P": prefix, "S": suffix, "N": args.n, "wave": args.wave,
-                "offload": mode == "offload", "baseline_peak_gib": round(base_peaks["step"], 3),
-                "phase_b_peak_gib": round(peaks["B"], 3), "phase_a_peak_gib": round(peaks["A"], 3),
-                "phase_c_peak_gib": round(peaks["C"], 3), "time_s": round(seconds, 4),
-                "baseline_time_s": round(base_s, 4), "repeats": repeats, "static_gib": round(bench.static_gib(), 3),
-                "host_pool_gib": round(host_pool_bytes(bench) / GIB, 3) if mode == "offload" else 0.0,
-                "offload_cost_paired": round(paired_cost, 4) if mode == "offload" else None,
-                "step_times_s": [round(s, 4) for s, _ in steps[mode]],
-            })
-        cleanup(bench)
+        for policy in args.policies.split(","):
+            if bench.past_deadline():
+                bench.log(f"deadline: fixed section stops before {split} {policy}")
+                return
+            cleanup(bench)
+            make_room_on_host(bench, bench.host_bytes_per_token * 1.1 * prefix)
+            sides = [("baseline", False)] + [("prefixflow", off) for off in offloads]
+            errors: dict[tuple[str, bool], str] = {}
+            for side, off in sides:  # warm-up
+                bench.configure(policy, off)
+                try:
+                    run_step(bench, side, prompt, warm, args.rows)
+                except Exception as error:  # recorded in the row (out of memory, a policy the library refuses)
+                    errors[side, off] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                    bench.log(f"{bench.name} {split} {policy} {side} offload={off}: {errors[side, off]}")
+                if (side, off) in errors:  # outside the handler, whose traceback holds the failed step's tensors
+                    cleanup(bench)
+            steps: dict[tuple[str, bool], list] = {key: [] for key in sides if key not in errors}
+            phases: dict[tuple[str, bool], list] = {key: [] for key in steps}
+            pools: dict[bool, float] = {}
+            for _ in range(repeats):  # interleaved, so that a drift in the machine's speed meets every side alike
+                for side, off in steps:
+                    bench.configure(policy, off)
+                    steps[side, off].append(run_step(bench, side, prompt, suffixes, args.rows))
+                    phases[side, off].append(bench.phase_ms)
+                    if side == "prefixflow":
+                        pools[off] = host_pool_bytes(bench)
+            rows = fixed_rows(bench, policy, prefix, suffix, steps, phases, pools, errors)
+            report["rows"] += rows
+            for row in rows:
+                keys = ("model", "P", "S", "policy", "offload", "baseline_peak_gib", "prefixflow_phase_b_peak_gib",
+                        "plan_phase_b_peak_gib", "baseline_time_s", "prefixflow_time_s", "error")
+                bench.log(json.dumps({k: row.get(k) for k in keys}))
+            write(report, out)
+
+
+def fixed_rows(bench: Bench, policy: str, prefix: int, suffix: int, steps: dict, phases: dict, pools: dict,
+               errors: dict) -> list[dict]:
+    args = bench.args
+    base = steps.get(("baseline", False))
+    base_s = statistics.median(s for s, _ in base) if base else None
+    base_peak = max(p["step"] for _, p in base) if base else None
+    rows = []
+    for off in [mode == "on" for mode in args.offload.split(",")]:
+        share = bench.configure(policy, off)
+        estimate = bench.estimate(policy, off, share, prefix, suffix, args.n)
+        runs = steps.get(("prefixflow", off))
+        row = {"model": bench.name, "P": prefix, "S": suffix, "N": args.n, "rows": args.rows, "policy": policy,
+               "offload": off, "extra_recompute": estimate.extra_recompute,
+               "baseline_peak_gib": None if base_peak is None else round(base_peak, 3),
+               "plan_baseline_peak_gib": gib(estimate.baseline_peak_bytes),
+               "plan_phase_a_peak_gib": gib(estimate.phase_a_peak_bytes),
+               "plan_phase_b_peak_gib": gib(estimate.phase_b_peak_bytes),
+               "plan_phase_c_peak_gib": gib(estimate.phase_c_peak_bytes),
+               "plan_breakdown_gib": {k: gib(v) for k, v in estimate.breakdown.items()},
+               "plan_host_gib": gib(estimate.host_bytes),
+               "baseline_time_s": None if base_s is None else round(base_s, 4),
+               "baseline_times_s": [round(s, 4) for s, _ in base or []],
+               "baseline_phase_ms": median_phases(phases.get(("baseline", False))),
+               "static_gib": round(bench.static_gib(), 3), "repeats": len(runs or []),
+               "error": errors.get(("prefixflow", off)) or errors.get(("baseline", False)),
+               "gpu": bench.args.gpu, "commit": bench.args.commit}
+        if runs:
+            seconds = statistics.median(s for s, _ in runs)
+            peak = {phase: max(p[phase] for _, p in runs) for phase in ("A", "B", "C")}
+            row.update({
+                "prefixflow_phase_a_peak_gib": round(peak["A"], 3), "prefixflow_phase_b_peak_gib": round(peak["B"], 3),
+                "prefixflow_phase_c_peak_gib": round(peak["C"], 3), "prefixflow_time_s": round(seconds, 4),
+                "prefixflow_times_s": [round(s, 4) for s, _ in runs],
+                "prefixflow_phase_ms": median_phases(phases[("prefixflow", off)]),
+                "time_ratio": round(seconds / base_s, 4) if base_s else None,
+                "host_pool_gib": gib(pools.get(off, 0))})
+            if bench.device.type == "cuda":
+                row["plan_phase_b_error"] = round(peak["B"] / row["plan_phase_b_peak_gib"] - 1, 4)
+                if base_peak is not None:
+                    row["plan_baseline_error"] = round(base_peak / row["plan_baseline_peak_gib"] - 1, 4)
+                    row["phase_b_reduction"] = round(1 - peak["B"] / base_peak, 4)
+        if args.tiny and not row["error"]:
+            row["max_gradient_difference"] = gradient_difference(bench, policy, off, prefix, suffix)
+        rows.append(row)
     return rows
 
 
-# -- 2. capacity frontier --------------------------------------------------------------------------------------
+def median_phases(runs: list[dict] | None) -> dict[str, float]:
+    if not runs or not runs[0]:
+        return {}
+    return {phase: round(statistics.median(r[phase] for r in runs), 1) for phase in runs[0]}
 
-def bracket(trains: Callable[[int], tuple[bool, str]], start: int, resolution: int, maximum: int,
-            stop_at: float, log: Callable[[str], None]) -> dict:
-    """Longest length that trains: doubling from `start` until a failure, then bisection down to `resolution`."""
-    if start % resolution:
-        raise SystemExit("--frontier-start must be a multiple of --frontier-resolution")
+
+def gradient_difference(bench: Bench, policy: str, offload: bool, prefix: int, suffix: int) -> float:
+    """--tiny: the largest gradient difference of PrefixFlow against the baseline, relative to each parameter's
+    largest gradient (fp32, so about 1e-6 when both train the same)."""
+    prompt, suffixes = bench.group(prefix, suffix, bench.args.n, seed=1)
+    grads = {}
+    for side in ("baseline", "prefixflow"):
+        bench.configure(policy, offload)
+        bench.trial_total = 0
+        bench.model.zero_grad(set_to_none=True)
+        (baseline_step if side == "baseline" else prefixflow_step)(bench.model, prompt, suffixes, bench.args.rows,
+                                                                    lambda phase: None)
+        grads[side] = [p.grad.clone() for p in bench.model.parameters()]
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(grads["prefixflow"], grads["baseline"]))
+
+
+# -- 2. capacity frontier ----------------------------------------------------------------------------------------
+
+def bracket(trains: Callable[[int], tuple[bool, str]], seed: int, resolution: int, maximum: int, stop_at: float,
+            log: Callable[[str], None]) -> dict:
+    """Longest length (a multiple of `resolution`) that trains: from `seed`, steps of an eighth of it that double
+    until one length trains and a longer one fails, then bisection down to `resolution`."""
     trials: list[dict] = []
     longest, failed, stop = 0, None, "resolution"
 
@@ -282,19 +415,34 @@ def bracket(trains: Callable[[int], tuple[bool, str]], start: int, resolution: i
         began = time.monotonic()
         ok, reason = trains(total)
         trials.append({"total": total, "trains": ok, "reason": reason, "seconds": round(time.monotonic() - began, 2)})
-        log(f"  total {total}: {reason} ({trials[-1]['seconds']} s)")
+        log(f"  {total}: {reason} ({trials[-1]['seconds']} s)")
         return ok
 
-    total = start
-    while failed is None:
-        if total > maximum or time.monotonic() > stop_at:
-            stop = "maximum" if total > maximum else "time cap"
-            break
-        if attempt(total):
-            longest, total = total, total * 2
-        else:
-            failed = total
-    while failed is not None and failed - longest > resolution:
+    total = min(max(seed // resolution * resolution, resolution), maximum // resolution * resolution)
+    step = max(resolution, seed // 8 // resolution * resolution)
+    if attempt(total):
+        longest = total
+        while failed is None:
+            total = min(longest + step, maximum // resolution * resolution)
+            if total <= longest or time.monotonic() > stop_at:
+                stop = "maximum" if total <= longest else "time cap"
+                break
+            if attempt(total):
+                longest, step = total, step * 2
+            else:
+                failed = total
+    else:
+        failed = total
+        while not longest:
+            if failed <= resolution or time.monotonic() > stop_at:
+                stop = "nothing trains" if failed <= resolution else "time cap"
+                break
+            total = max(resolution, failed - step)
+            if attempt(total):
+                longest = total
+            else:
+                failed, step = total, step * 2
+    while failed is not None and longest and failed - longest > resolution:
         if time.monotonic() > stop_at:
             stop = "time cap"
             break
@@ -306,228 +454,252 @@ def bracket(trains: Callable[[int], tuple[bool, str]], start: int, resolution: i
     return {"longest_trains": longest, "shortest_fails": failed, "stop": stop, "trials": trials}
 
 
-def trial(bench: Bench, mode: str, prefix: int, suffix: int, n: int) -> tuple[bool, str]:
-    """Does one step of `mode` train at this size? Out-of-memory is caught and everything it held is freed."""
+def trial(bench: Bench, side: str, policy: str, offload: bool, prefix: int, suffix: int) -> tuple[bool, str]:
+    """Does one step of `side` train at this size? Out-of-memory is caught and everything it held is freed; another
+    error fails the trial with its message."""
     args = bench.args
-    if mode == "offload":
-        if bench.host_bytes_per_token * 1.1 * prefix > args.host_budget_gib * GIB:
+    if prefix < 2 or suffix < 1:
+        return False, "too short"
+    share = bench.configure(policy, offload if side == "prefixflow" else False)
+    if side == "prefixflow" and offload:
+        # the pinned pool: as measured per token by earlier steps, else the planner's, rounded up to powers of two
+        need = (bench.host_bytes_per_token * 1.1 * prefix if bench.host_bytes_per_token
+                else 2 * bench.estimate(policy, True, share, prefix, suffix, 2).host_bytes)
+        if need > args.host_budget_gib * GIB:
             return False, f"host budget (pinned pool predicted > {args.host_budget_gib} GiB)"
-        make_room_on_host(bench, prefix)
-    prompt, suffixes = bench.group(prefix, suffix, n)
+        make_room_on_host(bench, need)
+    count = args.rows * (2 if side == "prefixflow" else 1)
+    prompt, suffixes = bench.group(prefix, suffix, count)
     try:
-        run_step(bench, mode, prompt, suffixes, args.wave)
+        run_step(bench, side, prompt, suffixes, args.rows)
         outcome = (True, "trains")
     except torch.cuda.OutOfMemoryError:
         outcome = (False, "out of memory")
-    cleanup(bench)  # outside the handler: the traceback, and the tensors its frames hold, are gone by now
+    except RuntimeError as error:  # e.g. a kernel refusing a length: the search stops below it, and says why
+        outcome = (False, f"error: {str(error).splitlines()[0][:200]}")
+    cleanup(bench)  # outside the handlers: the traceback, and the tensors its frames hold, are gone by now
     return outcome
 
 
-def split_total(total: int, ratio: float) -> tuple[int, int]:
-    prefix = round(total * ratio)
+def search_shape(search: dict, total: int) -> tuple[int, int]:
+    """(P, S) of a trial of `search` at length `total` (P + S, or P with the suffix fixed)."""
+    if search["kind"] == "prompt":
+        return total, search["S"]
+    prefix = round(total * search["P"] / (search["P"] + search["S"]))
     return prefix, total - prefix
 
 
-def frontier(bench: Bench) -> dict:
+def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
     args = bench.args
-    prefix, suffix = map(int, args.frontier_split.split("/"))
-    ratio = prefix / (prefix + suffix)
-    result = {}
-    for mode in MODES:
-        bench.log(f"frontier {mode} (prefix ratio {ratio:.3f}, N={args.frontier_n})")
-        stop_at = min(bench.deadline, time.monotonic() + args.frontier_mode_s)
-        result[mode] = bracket(lambda total: trial(bench, mode, *split_total(total, ratio), args.frontier_n),
-                               args.frontier_start, args.frontier_resolution, args.frontier_max, stop_at, bench.log)
+    cap = args.frontier_cap_gib * GIB
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()  # the cap limits what the allocator may hold, cached blocks included
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+    searches = [{"kind": "proportional", "P": p, "S": s}
+                for p, s in (map(int, x.split("/")) for x in args.frontier_proportions.split(","))]
+    searches.append({"kind": "prompt", "P": 10 * args.frontier_suffix, "S": args.frontier_suffix})
+    offloads = [mode == "on" for mode in args.offload.split(",")]
+    for search in searches:
+        for policy in args.policies.split(","):
+            baseline = None
+            for off in offloads:
+                if bench.past_deadline():
+                    bench.log("deadline: frontier section stops")
+                    return
+                share = bench.configure(policy, off)
+                proportions = f"S={search['S']}" if search["kind"] == "prompt" else f"{search['P']}/{search['S']}"
+                row = {"model": bench.name, "search": search["kind"], "proportions": proportions,
+                       "fixed_S": search["S"] if search["kind"] == "prompt" else None, "policy": policy,
+                       "offload": off, "extra_recompute": bench.estimate(policy, off, share, 16, 16, 2).extra_recompute,
+                       "rows": args.rows, "cap_gib": args.frontier_cap_gib, "resolution": args.frontier_resolution,
+                       "gpu": args.gpu, "commit": args.commit}
+                if baseline is None:
+                    baseline = run_search(bench, search, policy, False, "baseline", cap)
+                result = run_search(bench, search, policy, off, "prefixflow", cap)
+                errors = [t["reason"] for s in (baseline, result) for t in s["trials"]
+                          if t["reason"].startswith("error") and s["longest_trains"] == 0]
+                measured = baseline["longest_trains"] and result["longest_trains"] or not errors
+                row.update({"baseline_frontier_tokens": baseline["longest_trains"],
+                            "prefixflow_frontier_tokens": result["longest_trains"],
+                            "frontier_ratio": round(result["longest_trains"] / baseline["longest_trains"], 3)
+                            if baseline["longest_trains"] and measured else None,
+                            "error": errors[0] if errors else None,
+                            "plan_baseline_frontier_tokens": baseline["predicted"],
+                            "plan_prefixflow_frontier_tokens": result["predicted"],
+                            "baseline_search": baseline, "prefixflow_search": result})
+                report["frontier"].append(row)
+                bench.log(f"frontier {search['kind']} {policy} offload={off}: baseline {baseline['longest_trains']} "
+                          f"(plan {baseline['predicted']}), PrefixFlow {result['longest_trains']} "
+                          f"(plan {result['predicted']})")
+                write(report, out)
+
+
+def run_search(bench: Bench, search: dict, policy: str, offload: bool, side: str, cap: float) -> dict:
+    args = bench.args
+    share = bench.configure(policy, offload)
+    rows = args.rows
+    knobs = dict(rows_per_microbatch=rows, wave_size=rows, offload=offload, suffix_checkpointing=True,
+                 prefix_recompute=share)
+    predicted = planner.longest(bench.model, search["P"], search["S"], 2 * rows, cap, policy,
+                                vary="prompt" if search["kind"] == "prompt" else "both", side=side,
+                                resolution=args.frontier_resolution, maximum=args.frontier_max, **knobs)
+    bench.log(f"frontier {search['kind']} {policy} {side} offload={offload}: planner predicts {predicted}")
+    stop_at = min(bench.deadline, time.monotonic() + args.frontier_search_s)
+    result = bracket(lambda total: trial(bench, side, policy, offload, *search_shape(search, total)),
+                     predicted or args.frontier_resolution, args.frontier_resolution, args.frontier_max, stop_at,
+                     bench.log)
+    result["predicted"] = predicted
     return result
 
 
-def long_prefix(bench: Bench, search: dict) -> dict:
-    """A prefix at least as long as a whole sequence the baseline failed on, trained with a long suffix."""
-    args = bench.args
-    if search["baseline"]["shortest_fails"] is None:
-        return {"skipped": "the baseline frontier search found no failing length"}
-    prefix = search["baseline"]["shortest_fails"] + args.frontier_resolution
-    result = {"P": prefix, "N": args.frontier_n}
-    ok, reason = trial(bench, "baseline", prefix, 256, 1)
-    result["baseline_prefix_plus_256"] = reason
-    reach = search["offload"]["longest_trains"] - prefix
-    candidates = sorted({s for s in (reach, prefix // 2, prefix // 4, args.frontier_resolution) if s > 0}, reverse=True)
-    result["tried"] = []
-    for suffix in candidates:
-        if bench.past_deadline():
-            result["tried"].append({"S": suffix, "trains": False, "reason": "deadline"})
-            break
-        ok, reason = trial(bench, "offload", prefix, suffix, args.frontier_n)
-        result["tried"].append({"S": suffix, "trains": ok, "reason": reason})
-        bench.log(f"long prefix P={prefix} S={suffix} offload: {reason}")
-        if ok:
-            result["S"] = suffix
-            break
-    return result
-
-
-# -- report ----------------------------------------------------------------------------------------------------
+# -- report ------------------------------------------------------------------------------------------------------
 
 def verdicts(report: dict) -> dict:
-    """Each target against what was measured (None where the measurement is missing)."""
-    timed = tuple(map(int, report["config"]["timed_split"].split("/")))
-    rows = {(r["P"], r["S"], r["offload"]): r for r in report["rows"]}
+    """Each target against what was measured (absent where the measurement is missing)."""
     out: dict[str, object] = {}
-    on, off = rows.get((*timed, True)), rows.get((*timed, False))
-    if on and on["baseline_peak_gib"] > 0:
-        out["phase_b_reduction_at_timed_split"] = round(1 - on["phase_b_peak_gib"] / on["baseline_peak_gib"], 3)
-        static = on["static_gib"]  # context: the same cut counting activations only, weights and gradients aside
-        out["phase_b_reduction_above_static"] = round(
-            1 - (on["phase_b_peak_gib"] - static) / (on["baseline_peak_gib"] - static), 3)
-    offload_rows = [r for r in report["rows"] if r["offload"]]
-    if offload_rows:
-        out["phase_b_below_baseline_at_every_split"] = all(r["phase_b_peak_gib"] < r["baseline_peak_gib"]
-                                                           for r in offload_rows)
-    if on and off:  # paired repeat by repeat where the run has it (see `fixed_total`)
-        paired = on.get("offload_cost_paired")
-        out["offload_time_cost"] = round(on["time_s"] / off["time_s"] - 1, 4) if paired is None else paired
-    search = report.get("frontier") or {}
-    if search.get("baseline", {}).get("longest_trains") and "offload" in search:
-        out["frontier_ratio"] = round(search["offload"]["longest_trains"] / search["baseline"]["longest_trains"], 3)
-        out["frontier_ratio_prefixflow_no_offload"] = round(
-            search["prefixflow"]["longest_trains"] / search["baseline"]["longest_trains"], 3)
+    timed = tuple(map(int, report["config"]["timed_split"].split("/")))
+    for row in report["rows"]:
+        if (row["P"], row["S"]) == timed and row["policy"] == "none" and row["offload"] and \
+                row.get("phase_b_reduction") is not None:
+            out[f"phase_b_reduction_none[{row['model']}]"] = row["phase_b_reduction"]
+    pairs: dict[str, bool] = {}
+    for row in report["rows"]:
+        if row.get("prefixflow_phase_b_peak_gib") is not None and row["baseline_peak_gib"]:
+            key = f"never_above_baseline[{row['model']},{row['policy']},offload={row['offload']}]"
+            pairs[key] = pairs.get(key, True) and row["prefixflow_phase_b_peak_gib"] <= row["baseline_peak_gib"]
+    out.update(pairs)
+    errors = [abs(r["plan_phase_b_error"]) for r in report["rows"] if r.get("plan_phase_b_error") is not None]
+    if errors:
+        out["plan_phase_b_error"] = round(max(errors), 4)
+    for row in report["frontier"]:
+        if row["frontier_ratio"] is not None:
+            kind = "frontier_ratio" if row["search"] == "proportional" else "prompt_frontier_ratio"
+            key = f"{kind}_{row['policy']}[{row['model']},{row['proportions']},offload={row['offload']}]"
+            out[key] = row["frontier_ratio"]
     return out
 
 
 def write(report: dict, out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report["verdicts"] = verdicts(report)
-    (out / "memory.json").write_text(json.dumps(report, indent=1))
-    (out / "memory.md").write_text(markdown(report))
-    plot(report, out / "memory.png")
+    (out / "memory_like_for_like.json").write_text(json.dumps(report, indent=1))
+    (out / "memory_like_for_like.md").write_text(markdown(report))
+
+
+def _num(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(report: dict) -> str:
     c = report["config"]
-    lines = [f"`{c['command']}` on {c['device']}, torch {c['torch']}, transformers {c['transformers']}, {c['date']}",
-             "", f"Model {c['model']} ({c['dtype']}, sdpa, {'' if c.get('checkpointing') else 'no '}checkpointing, "
-             f"full-parameter, no optimizer step); weights + "
-             f"gradients = {c['static_gib']} GiB in every peak. Step = one group (baseline: N rows [P||S_i] fwd+bwd; "
-             f"PrefixFlow: Phase A + N suffix waves + Phase C), wave {c['wave']}. Offload recomputes "
-             f"{c['prefix_recompute']:.0%} of the prefix layers in Phase C (their inputs wait on the host too). "
-             "Timed steps run in rounds of one per mode; `offload_time_cost` is the median over rounds of the offload "
-             "step over the PrefixFlow step beside it, minus one.", "",
-             "| P / S | N | offload | baseline peak GiB | Phase B peak GiB | reduction | A / C peak GiB | "
-             "baseline s | PrefixFlow s | host pool GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"`{c['command']}` on {c['gpu']}, torch {c['torch']}, transformers {c['transformers']}, {c['date']}, "
+             f"commit {c['commit']}", "",
+             "Like for like: each row pairs PrefixFlow with the baseline under the same checkpointing policy and the "
+             f"same rows per microbatch ({c['rows']}); {c['dtype']} weights and gradients, no optimizer step, "
+             "gradients allocated before each step. `extra_recompute` is recompute beyond the policy. Peaks in GiB, "
+             "weights and gradients included; `plan` is `hf_prefixflow.plan`'s estimate, err = measured / plan - 1. "
+             "time ratio = PrefixFlow step / baseline step (median of the timed rounds).", "",
+             "| model | P / S | N | policy | offload | extra recompute | baseline (plan) | Phase B (plan, err) | "
+             "A / C (plan) | reduction | baseline s | PrefixFlow s | time ratio |",
+             "| --- " * 13 + "|"]
     for r in report["rows"]:
-        cut = 1 - r["phase_b_peak_gib"] / r["baseline_peak_gib"] if r["baseline_peak_gib"] else float("nan")
-        lines.append(f"| {r['P']} / {r['S']} | {r['N']} | {'yes' if r['offload'] else 'no'} | "
-                     f"{r['baseline_peak_gib']:.1f} | {r['phase_b_peak_gib']:.1f} | {cut:.0%} | "
-                     f"{r['phase_a_peak_gib']:.1f} / {r['phase_c_peak_gib']:.1f} | {r['baseline_time_s']:.3f} | "
-                     f"{r['time_s']:.3f} | {r['host_pool_gib']:.1f} |")
-    search = report.get("frontier")
-    if search:
-        lines += ["", f"Frontier at P/S proportions {c['frontier_split']}, N={c['frontier_n']}, device capped at "
-                  f"{c['frontier_cap_gib']} GiB, host pool budget {c['host_budget_gib']} GiB:", "",
-                  "| mode | longest total that trains | shortest that failed (why) | stopped by | trials |",
-                  "| --- | --- | --- | --- | --- |"]
-        for mode, s in search.items():
-            why = next((t["reason"] for t in s["trials"] if t["total"] == s["shortest_fails"]), "")
-            lines.append(f"| {mode} | {s['longest_trains']} | {s['shortest_fails']} ({why}) | {s['stop']} | "
-                         f"{len(s['trials'])} |")
-    if report.get("long_prefix"):
-        lines += ["", f"Long prefix: `{json.dumps(report['long_prefix'])}`"]
+        if r.get("error") and r.get("prefixflow_phase_b_peak_gib") is None:
+            lines.append(f"| {r['model']} | {r['P']} / {r['S']} | {r['N']} | {r['policy']} | "
+                         f"{'yes' if r['offload'] else 'no'} | {r['extra_recompute']} | error: {r['error'][:120]} |"
+                         + " |" * 6)
+            continue
+        err = r.get("plan_phase_b_error")
+        lines.append(
+            f"| {r['model']} | {r['P']} / {r['S']} | {r['N']} | {r['policy']} | {'yes' if r['offload'] else 'no'} | "
+            f"{r['extra_recompute']} | {_num(r['baseline_peak_gib'])} ({_num(r['plan_baseline_peak_gib'])}) | "
+            f"{_num(r['prefixflow_phase_b_peak_gib'])} ({_num(r['plan_phase_b_peak_gib'])}, "
+            f"{'-' if err is None else f'{err:+.1%}'}) | {_num(r['prefixflow_phase_a_peak_gib'])} / "
+            f"{_num(r['prefixflow_phase_c_peak_gib'])} ({_num(r['plan_phase_a_peak_gib'])} / "
+            f"{_num(r['plan_phase_c_peak_gib'])}) | "
+            f"{'-' if r.get('phase_b_reduction') is None else format(r['phase_b_reduction'], '.0%')} | "
+            f"{_num(r['baseline_time_s'], 3)} | {_num(r['prefixflow_time_s'], 3)} | {_num(r['time_ratio'], 3)} |")
+    if report["frontier"]:
+        lines += ["", f"Frontier under a {c['frontier_cap_gib']} GiB device cap, {c['rows']} row(s) per microbatch, "
+                  f"resolution {c['frontier_resolution']} tokens: `proportional` is the longest P + S at the given "
+                  "proportions, `prompt` the longest P with S fixed; in brackets the planner's prediction.", "",
+                  "| model | search | policy | offload | extra recompute | baseline tokens | PrefixFlow tokens | "
+                  "frontier ratio | stopped by (baseline / PrefixFlow) |", "| --- " * 9 + "|"]
+        for r in report["frontier"]:
+            kind = (f"prompt, S = {r['fixed_S']}" if r["search"] == "prompt" else
+                    f"proportional {r['proportions']}")
+            lines.append(
+                f"| {r['model']} | {kind} | {r['policy']} | {'yes' if r['offload'] else 'no'} | "
+                f"{r['extra_recompute']} | {r['baseline_frontier_tokens']} ({r['plan_baseline_frontier_tokens']}) | "
+                f"{r['prefixflow_frontier_tokens']} ({r['plan_prefixflow_frontier_tokens']}) | "
+                f"{_num(r['frontier_ratio'], 2)} | {r['baseline_search']['stop']} / {r['prefixflow_search']['stop']}"
+                + (f"; {r['error'][:120]}" if r.get("error") else "") + " |")
     lines += ["", "| target | goal | measured |", "| --- | --- | --- |"]
-    goals = {**{k: f">= {v}" if k != "offload_time_cost" else f"<= {v}" for k, v in TARGETS.items()},
-             "phase_b_below_baseline_at_every_split": "true"}
     for key, value in report["verdicts"].items():
-        lines.append(f"| {key} | {goals.get(key, '(context)')} | {value} |")
+        name = key.split("[")[0]
+        goal = {"plan_phase_b_error": f"<= {TARGETS['plan_phase_b_error']}", "never_above_baseline": "true"}.get(
+            name, f">= {TARGETS[name]}" if name in TARGETS else "(context)")
+        lines.append(f"| {key} | {goal} | {value} |")
     return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
-    splits = sorted({(r["P"], r["S"]) for r in report["rows"]}, reverse=True)
-    rows = {(r["P"], r["S"], r["offload"]): r for r in report["rows"]}
-    width = 0.27
-    for i, (label, get) in enumerate([("baseline peak", lambda p, s: rows[p, s, False]["baseline_peak_gib"]),
-                                      ("Phase B, no offload", lambda p, s: rows[p, s, False]["phase_b_peak_gib"]),
-                                      ("Phase B, offload", lambda p, s: rows[p, s, True]["phase_b_peak_gib"])]):
-        left.bar([x + (i - 1) * width for x in range(len(splits))], [get(p, s) for p, s in splits], width, label=label)
-    left.set_xticks(range(len(splits)), [f"{p}/{s}" for p, s in splits])
-    left.set_ylabel("peak allocated GiB")
-    left.set_title(f"fixed total, N={report['config']['n']}")
-    left.legend(fontsize=7)
-    search = report.get("frontier") or {}
-    right.bar(list(search), [s["longest_trains"] for s in search.values()], color=["gray", "tab:blue", "tab:green"])
-    right.set_ylabel("longest total length that trains")
-    right.set_title(f"frontier ({report['config']['frontier_cap_gib']} GiB cap)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
-    parser.add_argument("--total", type=int, default=12288)
+    parser.add_argument("--models", default="qwen3-1.7b,llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--splits", default="10240/2048,8192/4096,6144/6144,4096/8192,2048/10240")
     parser.add_argument("--timed-split", default="10240/2048")
     parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--wave", type=int, default=1, help="rows per forward, baseline and PrefixFlow alike")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds at --timed-split")
-    parser.add_argument("--repeats-other", type=int, default=1, help="timed steps at the other splits")
-    parser.add_argument("--frontier-split", default="10240/2048", help="the prefix ratio of the frontier search")
-    parser.add_argument("--frontier-n", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, help="rows per microbatch: baseline rows and PrefixFlow wave")
+    parser.add_argument("--policies", default="none,full,selective", help=f"comma-separated, of {POLICIES}")
+    parser.add_argument("--offload", default="off,on", help="PrefixFlow's offload settings to pair with each baseline")
+    parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
+                        help="share of prompt layers offload recomputes under the `none` policy")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds at --timed-split")
+    parser.add_argument("--repeats-other", type=int, default=1, help="timed rounds at the other splits")
+    parser.add_argument("--warmup-rows", type=int, default=2, help="completions of each warm-up step")
+    parser.add_argument("--frontier-proportions", default="10240/2048", help="P/S proportions of the total search")
+    parser.add_argument("--frontier-suffix", type=int, default=2048, help="S of the longest-prompt search")
     parser.add_argument("--frontier-cap-gib", type=float, default=24.0)
-    parser.add_argument("--frontier-start", type=int, default=4096)
     parser.add_argument("--frontier-resolution", type=int, default=512)
     parser.add_argument("--frontier-max", type=int, default=131072)
-    parser.add_argument("--frontier-mode-s", type=float, default=70.0, help="time cap per mode's search")
+    parser.add_argument("--frontier-search-s", type=float, default=60.0, help="time cap of each search")
     parser.add_argument("--host-budget-gib", type=float, default=48.0, help="largest pinned pool a trial may need")
     parser.add_argument("--deadline-s", type=float, default=480.0, help="no new step starts after this")
-    parser.add_argument("--sections", default="fixed,frontier,long")
-    parser.add_argument("--checkpointing", action="store_true", help="non-reentrant activation checkpointing")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
-                        help="share of prefix layers Phase C recomputes instead of copying back (offload mode)")
+    parser.add_argument("--sections", default="fixed,frontier")
+    parser.add_argument("--commit", default=None, help="the code's commit (default: git's, where there is a .git)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
-    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_memory")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_memory_like_for_like")
     args = parser.parse_args()
+    command = " ".join(["python benchmarks/memory.py", *sys.argv[1:]])
     if args.tiny:
-        args.model = "tiny"
         vars(args).update(TINY_ARGS)
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and loses much on a shared CPU
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
+    args.commit = args.commit or git_commit()
+    args.gpu = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
     sections = set(args.sections.split(","))
-
     bench = Bench(args)
     out = pathlib.Path(args.out)
-    device = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
-    report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": "python benchmarks/memory.py "
-                         + ("--tiny" if args.tiny else f"--sections {args.sections} --splits {args.splits} "
-                            f"--prefix-recompute {args.prefix_recompute}" + " --compile" * args.compile),
-                         "device": device,
+    report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": command,
                          "torch": torch.__version__, "transformers": transformers.__version__,
-                         "date": datetime.date.today().isoformat(), "static_gib": round(bench.static_gib(), 3),
-                         "dtype": str(next(bench.model.parameters()).dtype).removeprefix("torch.")},
-              "rows": [], "frontier": None, "long_prefix": None}
-    bench.log(f"model {args.model} built on {device}, static {report['config']['static_gib']} GiB")
-    if "fixed" in sections:
-        report["rows"] = fixed_total(bench)
-        write(report, out)
-    if "frontier" in sections:
-        if not args.tiny:
-            torch.cuda.empty_cache()  # the cap limits what the allocator may hold, cached blocks included
-            torch.cuda.set_per_process_memory_fraction(
-                args.frontier_cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
-        report["frontier"] = frontier(bench)
-        write(report, out)
-        if "long" in sections:
-            report["long_prefix"] = long_prefix(bench, report["frontier"])
-            write(report, out)
-    if not args.tiny:
+                         "date": datetime.date.today().isoformat()},
+              "rows": [], "frontier": []}
+    for name in args.models.split(","):
+        bench.load(name)
+        report["config"].setdefault("static_gib", {})[name] = round(bench.static_gib(), 3)
+        report["config"]["dtype"] = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
+        bench.log(f"model {name} built on {args.gpu}, weights + gradients {bench.static_gib():.2f} GiB")
+        if "fixed" in sections:
+            fixed(bench, report, out)
+        if "frontier" in sections:
+            frontier(bench, report, out)
+            if bench.device.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0)
+    if bench.device.type == "cuda":
         report["config"]["pinned_peak_gib"] = round(torch.cuda.host_memory_stats()["allocated_bytes.peak"] / GIB, 2)
-        write(report, out)
-    bench.log(f"done: {json.dumps(report.get('verdicts'))}")
+    write(report, out)
+    bench.log(f"done: {json.dumps(report['verdicts'])}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from .config import PrefixFlowConfig
 from .errors import PrefixFlowError
 from .model import apply_prefixflow
+from .planner import MemoryPlan, plan
 from .scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
 from .waves import AutoWaves
 
@@ -21,6 +22,7 @@ def __getattr__(name: str):
 __all__ = [
     "AutoWaves",
     "GroupSession",
+    "MemoryPlan",
     "PackedOutput",
     "PrefixFlowConfig",
     "PrefixFlowError",
@@ -28,5 +30,6 @@ __all__ = [
     "PrefixFlowGRPOTrainer",
     "PrefixGroup",
     "apply_prefixflow",
+    "plan",
     "prefix_group",
 ]
