@@ -375,7 +375,8 @@ def probe(model: PreTrainedModel) -> ProbeResult:
     base = attention.base_name(model.config._attn_implementation)
     key = (type(model), base, model.config.to_json_string(use_diff=False))
     if key not in _probed:
-        _probed[key] = _run_probe(type(model), model.config, "sdpa" if base == "flex_attention" else base)
+        with torch.random.fork_rng(devices=[]):  # the copy's random weights leave the caller's CPU stream as it was
+            _probed[key] = _run_probe(type(model), model.config, "sdpa" if base == "flex_attention" else base)
     return _probed[key]
 
 

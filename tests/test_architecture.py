@@ -117,3 +117,15 @@ def test_router_jitter_warns_naming_the_module():
     with pytest.warns(UserWarning, match=r"layers\.0\.mlp \(PhimoeSparseMoeBlock\.router_jitter_noise=0\.01\)"):
         with hf_prefixflow.prefix_group(model, torch.tensor([5, 6, 7, 8])) as group:
             group(torch.tensor([[9, 10]])).logits.sum().backward()
+
+
+def test_the_probe_leaves_the_random_stream_alone():
+    """Applying PrefixFlow must not change what the caller draws next (TRL samples rollouts from it)."""
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=4e-6)
+    model = LlamaForCausalLM(config)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    hf_prefixflow.apply_prefixflow(model)
+    assert torch.equal(torch.rand(3), expected)
