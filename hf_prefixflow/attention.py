@@ -44,6 +44,7 @@ NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
 PASS_KWARG = "prefixflow_pass"
 SP_KWARG = "prefixflow_sp"  # a `distributed.ulysses.SequenceParallel`: this forward is sharded along the sequence
+TOWER = "_prefixflow_tower"  # set on modules outside the decoder of an image-text model: they cache nothing
 
 # Compiled variants of one code object that PrefixFlow's phases can need: Phase A, the waves and Phase C's recompute
 # (with and without a graph), each with layer inputs that need a gradient and, with frozen embeddings (LoRA), one
@@ -230,6 +231,8 @@ def prefixflow_attention(
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)
+    if marker is not None and getattr(module, TOWER, False):
+        marker = None  # a vision tower's attention, reached by Phase A's kwargs (see `multimodal.mark_towers`)
     if REACH.calls is not None:
         REACH.calls.append((module, marker is REACH))
         marker = None if marker is REACH else marker

@@ -38,7 +38,8 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _check_rope(model: PreTrainedModel) -> None:
-    for name, module in model.named_modules():
+    # The decoder's: a vision tower's RoPE rotates each whole image alike in both schedules.
+    for name, module in decoder_of(model).named_modules():
         rope_type = getattr(module, "rope_type", None)
         types = rope_type.values() if isinstance(rope_type, dict) else [rope_type] if rope_type else []
         for kind in types:
@@ -126,7 +127,8 @@ def apply_prefixflow(
     Args:
         model: the model to train. Checked once, at the first call: token mixers other than attention, attention
             outside transformers' AttentionInterface and dynamic RoPE are refused (`PrefixFlowError`), and a tiny
-            float64 copy of the architecture trains one group both ways (`architecture.probe`).
+            float64 copy of the architecture trains one group both ways (`architecture.probe`); an image-text
+            model's copy also trains an image prompt, whose refusal is kept for image prompts (`multimodal.check`).
         config: the settings (`PrefixFlowConfig`); replaces the stored one. Default: keep the stored one.
         offload, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of `PrefixFlowConfig`
             applied on top; `None` keeps the current value of each.
@@ -140,7 +142,11 @@ def apply_prefixflow(
         _check_base(inner)
         architecture.check_structure(inner)
         _check_rope(inner)
-        probed = architecture.probe(inner)
+        from . import multimodal  # imports the scheduler, which imports this module
+
+        probed = multimodal.check(inner)  # image prompts; a prefix-LM's probe covers its text prompts too
+        if probed is None:
+            probed = architecture.probe(inner)
         _own_config(inner)
         enable(inner)
         architecture.bridge(inner, probed)
@@ -188,6 +194,10 @@ def enable(model: torch.nn.Module) -> PreTrainedModel:
                 "route attention through transformers' AttentionInterface. Train this model with the plain trainer."
             )
     moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
+    from . import multimodal
+
+    if multimodal.is_multimodal(inner):
+        multimodal.mark_towers(inner)
     return inner
 
 

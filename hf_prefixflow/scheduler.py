@@ -67,6 +67,7 @@ class PrefixGroup:
     def __init__(
         self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0,
         routes: torch.Tensor | None = None, collect_router_logits: bool = False, runner: GroupRunner | None = None,
+        prefix_inputs: dict[str, torch.Tensor] | None = None,
     ):
         self.model = model
         self.collect_router_logits = collect_router_logits
@@ -77,6 +78,8 @@ class PrefixGroup:
         self.prefix_ids = self._check_prefix(prefix_ids)
         self.position_offset = int(position_offset)
         self.routes = self._check_routes(routes)
+        if prefix_inputs or getattr(self._inner, "_prefixflow_prefix_lm", False):  # see `multimodal.check`
+            self.runner = self._multimodal_runner(runner, prefix_inputs or {})
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1, kv_grad_dtype(model))
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
@@ -122,6 +125,15 @@ class PrefixGroup:
             raise PrefixFlowError(f"got routes for {len(routes)} suffixes but the wave has {count}.")
         check_routes(self._inner, torch.cat([r.reshape(-1, r.shape[-1]) for r in routes]))
         return wave_routes(self.routes, routes)
+
+    def _multimodal_runner(self, runner: GroupRunner | None, prefix_inputs: dict) -> GroupRunner:
+        """The runner of an image prompt (`multimodal.MultimodalRunner`), which takes its processor tensors."""
+        from .multimodal import MultimodalRunner
+
+        if runner is not None or self.routes is not None:
+            raise PrefixFlowError("image prompts share their prefix on one process, without routing replay; "
+                                  "sequence parallelism, pipelines and MoE replay train them on the plain path.")
+        return MultimodalRunner(self, prefix_inputs)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -292,10 +304,12 @@ class GroupSession:
         return self.start()
 
     def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
-             collect_router_logits: bool = False) -> PrefixGroup:
+             collect_router_logits: bool = False, **prefix_inputs: torch.Tensor) -> PrefixGroup:
         """Phase A for one more prefix; returns its group. `collect_router_logits` keeps the prefix's MoE router
-        logits as cached leaves (`group.cache.router_logits`) for a load-balancing loss."""
-        return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes, collect_router_logits))
+        logits as cached leaves (`group.cache.router_logits`) for a load-balancing loss. `prefix_inputs`: an image
+        prompt's processor tensors (see `prefix_group`)."""
+        return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes, collect_router_logits,
+                                    prefix_inputs=prefix_inputs))
 
     def add(self, group: PrefixGroup) -> PrefixGroup:
         """Phase A for a group built beforehand (validated at construction)."""
@@ -347,8 +361,10 @@ class GroupSession:
 class _SingleGroup:
     """What `prefix_group` returns: a session holding exactly one group, entered once."""
 
-    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int, routes):
-        self.group = PrefixGroup(model, prefix_ids, position_offset, routes)  # validates now, before any `with`
+    def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int, routes,
+                 prefix_inputs: dict[str, torch.Tensor]):
+        # validates now, before any `with`
+        self.group = PrefixGroup(model, prefix_ids, position_offset, routes, prefix_inputs=prefix_inputs)
         self.session = GroupSession(model)
 
     def __enter__(self) -> PrefixGroup:
@@ -364,11 +380,14 @@ class _SingleGroup:
 
 
 def prefix_group(
-    model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None
+    model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
+    **prefix_inputs: torch.Tensor,
 ) -> _SingleGroup:
     """Open one group over a shared prefix (`[P]` or `[1, P]`) as a context manager; it yields the `PrefixGroup`.
 
     `position_offset` is the position of the prefix's first token (0 unless the stock path left-pads prompts).
     `routes` (MoE models) is the prefix's recorded routing `[layers, P, k]`, replayed in Phases A and C.
+    `prefix_inputs`: an image prompt's processor tensors for this one prompt (`pixel_values`, `image_grid_thw`,
+    `token_type_ids` ...): Phase A runs the vision tower and the image tokens once (see `hf_prefixflow.multimodal`).
     """
-    return _SingleGroup(model, prefix_ids, position_offset, routes)
+    return _SingleGroup(model, prefix_ids, position_offset, routes, prefix_inputs)
