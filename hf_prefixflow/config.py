@@ -24,12 +24,15 @@ class PrefixFlowConfig:
             skips the recompute; the prefix stays checkpointed).
         kv_grad_dtype: the dtype gK/gV sum in across waves (a `torch.dtype` or its name). `None`: the widest dtype of
             the trainable parameters, the precision their own gradients accumulate in.
+        allow_unprobed: train a model whose architecture `apply_prefixflow` could not probe (no tiny copy could be
+            built or run) on the strength of its structure checks alone. Off: such a model is refused.
     """
 
     offload: bool = False
     prefix_recompute: float | None = None
     suffix_checkpointing: bool = True
     kv_grad_dtype: torch.dtype | str | None = None
+    allow_unprobed: bool = False
 
     def __post_init__(self) -> None:
         share = self.prefix_recompute

@@ -138,6 +138,9 @@ def apply_prefixflow(
     recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
     """
     inner = unwrap(model)
+    settings = (config or config_of(inner)).replace(
+        offload=offload, suffix_checkpointing=suffix_checkpointing, prefix_recompute=prefix_recompute,
+        kv_grad_dtype=kv_grad_dtype)
     if not attention.is_wrapped(inner.config._attn_implementation):
         _check_base(inner)
         architecture.check_structure(inner)
@@ -147,12 +150,16 @@ def apply_prefixflow(
         probed = multimodal.check(inner)  # image prompts; a prefix-LM's probe covers its text prompts too
         if probed is None:
             probed = architecture.probe(inner)
+        if probed.skipped and not settings.allow_unprobed:
+            raise PrefixFlowError(
+                f"PrefixFlow could not verify {type(inner).__name__}: {probed.skipped}. Its structure passed the "
+                "checks, but its gradients were never compared with full sequences. Pass "
+                "PrefixFlowConfig(allow_unprobed=True) to train it anyway, unverified."
+            )
         _own_config(inner)
         enable(inner)
         architecture.bridge(inner, probed)
-    inner._prefixflow_config = (config or config_of(inner)).replace(
-        offload=offload, suffix_checkpointing=suffix_checkpointing, prefix_recompute=prefix_recompute,
-        kv_grad_dtype=kv_grad_dtype)
+    inner._prefixflow_config = settings
     return model
 
 

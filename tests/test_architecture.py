@@ -129,3 +129,21 @@ def test_the_probe_leaves_the_random_stream_alone():
     torch.manual_seed(7)
     hf_prefixflow.apply_prefixflow(model)
     assert torch.equal(torch.rand(3), expected)
+
+
+class _Unbuildable(LlamaForCausalLM):
+    """A class whose tiny copy cannot be built (its constructor insists on the full hidden size)."""
+
+    def __init__(self, config):
+        if config.hidden_size < 64:
+            raise ValueError("hidden_size must be at least 64")
+        super().__init__(config)
+
+
+def test_an_architecture_that_cannot_be_probed_is_refused_unless_allowed():
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(PrefixFlowError, match=r"could not verify _Unbuildable.*allow_unprobed=True"):
+        hf_prefixflow.apply_prefixflow(_Unbuildable(config))
+    model = hf_prefixflow.apply_prefixflow(_Unbuildable(config), hf_prefixflow.PrefixFlowConfig(allow_unprobed=True))
+    assert hf_prefixflow.model.config_of(model).allow_unprobed
