@@ -317,9 +317,11 @@ class float64_throughout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+        # Integer tensors too: RoPE's `position_ids.float()` meets float64 frequencies (transformers 5.17).
+        if args and isinstance(args[0], torch.Tensor) and (args[0].dtype == torch.float64
+                                                           or not args[0].is_floating_point()):
             if func in _NARROWING_METHODS:
-                return args[0]
+                return args[0].to(torch.float64)
             if func in (torch.Tensor.to, torch.Tensor.type):
                 args = tuple(torch.float64 if a in _NARROW else a for a in args)
             if kwargs.get("dtype") in _NARROW:
