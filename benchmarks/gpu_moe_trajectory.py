@@ -1,45 +1,66 @@
-"""MoE under routing replay on a GPU: a 20-step bf16 trajectory, PrefixFlow vs full-sequence training.
+"""MoE under routing replay on a GPU: a bf16 trajectory, PrefixFlow vs full-sequence training.
 
     python benchmarks/gpu_moe_trajectory.py   # writes to benchmarks/results/<today>_moe_trajectory
+    python benchmarks/gpu_moe_trajectory.py --tiny --out /tmp/moe       # CPU smoke test: tiny model, 3 steps
 
-A random-init Qwen3-MoE (fp32 master weights, bf16 autocast, AdamW) trains 20 rollout groups twice: full sequences
-and PrefixFlow. Routes come from an "inference engine" (a perturbed copy of the weights, run in bf16 under no_grad),
-the prefix mask from the group's first rollout, and both sides replay the same masks. Reported like the paper's
-Table 3: max |difference| of gradients / loss / after-update weights (G/L/W) at steps 1, 10 and 20, and whether
-every element stays within |x-y| <= 1e-3 + 1e-2 max(|x|,|y|).
+A random-init Qwen3-MoE (fp32 master weights, bf16 autocast) trains `--steps` rollout groups twice with plain SGD,
+each side from its own gradients: full sequences and PrefixFlow. Routes come from an "inference engine" (a perturbed
+copy of the baseline's weights, run in bf16 under no_grad), the prefix mask from the group's first rollout, and both
+sides replay the same masks. Primary criterion (`benchmarks/criterion.py`) at the `--check-steps` (1, 10, 20): per
+parameter, PrefixFlow's gradient error against the fp64 full-sequence gradient (no autocast, the same routes
+replayed) over the baseline's error against it, at most 1.2 for the worst parameter. Before a checked step
+PrefixFlow's model takes the baseline's weights (plain SGD keeps no other state), so both gradients and their one
+fp64 reference are taken at the same weights; how far the trajectories had drifted apart by then is reported. SGD
+rather than AdamW, which moves each weight by about the learning rate whatever the gradient. Secondary, reported
+only, like the paper's Table 3: max |difference| of gradients / loss / after-update weights (G/L/W) and the worst
+ratio to |x-y| <= 1e-3 + 1e-2 max(|x|,|y|). `--broken` runs broken variants (`criterion.BROKEN`; the one-row waves
+here are padded, so they reach the split attention), each of which must fail; `--diagnostic concat-attention`
+attends over the concatenated K/V instead of the split attention (must pass). Exits with 1 unless every correct and
+diagnostic row passes and every broken row fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import copy
+import datetime
 import json
 import pathlib
+import sys
 import time
 
 import torch
 import transformers
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+import criterion
 import hf_prefixflow
 from hf_prefixflow.moe import record_routing
 
+SHAPES = {
+    "gpu": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_experts=8,
+                num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64),
+    # as wide as a GPU model's norms get in gpu_equivalence --tiny: narrow ones scatter the ratio between groups
+    "tiny": dict(vocab_size=128, hidden_size=1024, intermediate_size=512, moe_intermediate_size=128, num_experts=4,
+                 num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+                 head_dim=64),
+}
 
-def build() -> torch.nn.Module:
-    config = Qwen3MoeConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8,
-                            num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, decoder_sparse_step=1)
+
+def build(shape: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    config = Qwen3MoeConfig(**SHAPES[shape], max_position_embeddings=4096, decoder_sparse_step=1)
+    if dtype == torch.float64 and hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).cuda().train()
+    model = Qwen3MoeForCausalLM(config).to(device, dtype).train()
     model.set_attn_implementation("sdpa")
-    return hf_prefixflow.apply_prefixflow(model)
+    return hf_prefixflow.apply_prefixflow(model)  # both sides and the reference replay routes through it
 
 
-def rollout(engine, prompt, completions):
+def rollout(engine, prompt, completions, device):
     routes = []
     for completion in completions:
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), record_routing() as recorder:
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), record_routing() as recorder:
             engine(torch.cat([prompt, completion])[None])
         routes.append(recorder.routes(1, engine.config.num_hidden_layers)[:, 0])
     p = len(prompt)
@@ -47,7 +68,8 @@ def rollout(engine, prompt, completions):
 
 
 def loss_of(logits, targets, advantage, total):
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 log-probs, fp64 in the reference
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
     return -(logp * advantage).sum() / total
 
 
@@ -75,76 +97,157 @@ def prefixflow(model, prompt, completions, advantages, prefix_routes, suffix_rou
     return value
 
 
-def violation(x, y) -> float:
-    x, y = x.float(), y.float()
-    return ((x - y).abs() / (1e-3 + 1e-2 * torch.maximum(x.abs(), y.abs()))).max().item()
+def grads(model) -> dict:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def copy_weights(target, source) -> None:
+    with torch.no_grad():
+        weights = dict(source.named_parameters())
+        for name, param in target.named_parameters():
+            param.copy_(weights[name])
+
+
+def reference_grads(reference, model, batch) -> dict:
+    """The fp64 full-sequence gradient at `model`'s weights, the same routes replayed (outside autocast)."""
+    copy_weights(reference, model)
+    reference.zero_grad(set_to_none=True)
+    full_sequence(reference, *batch)
+    return grads(reference)
+
+
+def apart(candidate, baseline) -> float:
+    """How far PrefixFlow's weights have drifted from the baseline's, relative to the baseline's norm."""
+    pairs = list(zip(candidate.parameters(), baseline.parameters()))
+    return (sum((p.double() - q.double()).pow(2).sum() for p, q in pairs).sqrt()
+            / sum(q.double().pow(2).sum() for _, q in pairs).sqrt()).item()
+
+
+def trajectory(args, device: str, variant: str | None) -> list[dict]:
+    """`args.steps` SGD steps of both sides; a row per checked step."""
+    baseline = build(args.shape, device, torch.float32)
+    candidate = copy.deepcopy(baseline)
+    reference = build(args.shape, device, torch.float64)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=args.lr) for m in (baseline, candidate)]
+    vocab = baseline.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    with criterion.variant(variant, baseline.config.num_hidden_layers) as used:
+        for step in range(1, args.steps + 1):
+            engine = copy.deepcopy(baseline)
+            with torch.no_grad():
+                for param in engine.parameters():
+                    param.add_(1e-3 * torch.randn_like(param))
+            prompt = torch.randint(0, vocab, (args.prefix,), generator=gen).to(device)
+            completions = [torch.randint(0, vocab, (int(torch.randint(args.suffix // 4, args.suffix + 1, (1,),
+                                                                       generator=gen)),), generator=gen).to(device)
+                           for _ in range(args.n)]
+            advantages = torch.randn(args.n, generator=gen).tolist()
+            batch = (prompt, completions, advantages, *rollout(engine, prompt, completions, device))
+            del engine
+            drifted = apart(candidate, baseline)
+            if step in args.check_steps:
+                copy_weights(candidate, baseline)  # judged at the baseline's weights (see the docstring)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                ref_loss = full_sequence(baseline, *batch)
+                pf_loss = prefixflow(candidate, *batch)
+            g_base, g_pf = grads(baseline), grads(candidate)
+            pairs = [(g_base[n], g_pf[n]) for n in g_base if g_base[n] is not None]
+            row = {"step": step, "G": max((x - y).abs().max().item() for x, y in pairs), "L": abs(pf_loss - ref_loss),
+                   "G_ratio": max(criterion.paper_violation(y, x) for x, y in pairs),
+                   "L_ratio": criterion.paper_violation(pf_loss, ref_loss)}
+            if step in args.check_steps:
+                truth = reference_grads(reference, baseline, batch)
+                row.update(drifted_apart=drifted, **criterion.judge(g_pf, g_base, truth))
+            for opt in optimizers:
+                opt.step()
+            weights = list(zip(baseline.parameters(), candidate.parameters()))
+            row.update(W=max((x - y).abs().max().item() for x, y in weights),
+                       W_ratio=max(criterion.paper_violation(y, x) for x, y in weights))
+            if step in args.check_steps:
+                row["variant"] = variant or "correct"
+                row["verdict"] = criterion.verdict(row["passed"], variant in criterion.BROKEN)
+                rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "ratios"}), flush=True)
+    if variant and not used["calls"]:
+        return [{"variant": variant, "passed": False, "error": f"variant {variant} never applied",
+                 "verdict": criterion.verdict(False, variant in criterion.BROKEN, "never applied")}]
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--suffix", type=int, default=256)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (RL runs use 1e-6..1e-5)")
+    parser.add_argument("--prefix", type=int, default=None, help="default 1024 (--tiny: 64)")
+    parser.add_argument("--suffix", type=int, default=None, help="default 256 (--tiny: 16)")
+    parser.add_argument("--n", type=int, default=None, help="default 8 (--tiny: 4)")
+    parser.add_argument("--steps", type=int, default=None, help="default 20 (--tiny: 3)")
+    parser.add_argument("--check-steps", default=None, help="comma-separated; default 1,10,20 (--tiny: 1,3)")
+    parser.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.1; --tiny: 0.1)")
+    parser.add_argument("--broken", default="", help="comma-separated broken variants, each must fail: "
+                        + ", ".join(criterion.BROKEN))
+    parser.add_argument("--diagnostic", default="", help="comma-separated correct variants, each must pass: "
+                        + ", ".join(criterion.DIAGNOSTIC))
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short groups, 3 steps")
     parser.add_argument("--tag", default="gpu_moe_trajectory")
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_moe_trajectory")
     args = parser.parse_args()
+    tiny = args.tiny
+    defaults = dict(prefix=(1024, 64), suffix=(256, 16), n=(8, 4), steps=(20, 3), check_steps=("1,10,20", "1,3"),
+                    lr=(0.1, 0.1))
+    for key, (gpu, cpu) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, cpu if tiny else gpu)
+    args.check_steps = {int(s) for s in args.check_steps.split(",") if int(s) <= args.steps}
+    args.shape = "tiny" if tiny else "gpu"
+    device = "cpu" if tiny else "cuda"
+    variants = [v for v in f"{args.broken},{args.diagnostic}".split(",") if v]
+    if unknown := set(variants) - set(criterion.BROKEN + criterion.DIAGNOSTIC):
+        parser.error(f"unknown variants {sorted(unknown)}")
 
-    reference = build()
-    candidate = copy.deepcopy(reference)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=args.lr) for m in (reference, candidate)]
-    gen = torch.Generator().manual_seed(1)
-    report, worst = [], 0.0
-    for step in range(1, args.steps + 1):
-        engine = copy.deepcopy(reference)
-        with torch.no_grad():
-            for param in engine.parameters():
-                param.add_(1e-3 * torch.randn_like(param))
-        prompt = torch.randint(0, 4096, (args.prefix,), generator=gen).cuda()
-        completions = [torch.randint(0, 4096, (int(torch.randint(args.suffix // 4, args.suffix + 1, (1,),
-                                                                   generator=gen)),), generator=gen).cuda()
-                       for _ in range(args.n)]
-        advantages = torch.randn(args.n, generator=gen).tolist()
-        prefix_routes, suffix_routes = rollout(engine, prompt, completions)
-        del engine
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss = full_sequence(reference, prompt, completions, advantages, prefix_routes, suffix_routes)
-            pf_loss = prefixflow(candidate, prompt, completions, advantages, prefix_routes, suffix_routes)
-        grads = [(a.grad, b.grad) for a, b in zip(reference.parameters(), candidate.parameters()) if a.grad is not None]
-        g = max((x - y).abs().max().item() for x, y in grads)
-        g_ratio = max(violation(y, x) for x, y in grads)
-        for opt in optimizers:
-            opt.step()
-        weights = list(zip(reference.parameters(), candidate.parameters()))
-        w = max((x - y).abs().max().item() for x, y in weights)
-        w_ratio = max(violation(y, x) for x, y in weights)
-        l_ratio = violation(torch.tensor(pf_loss), torch.tensor(ref_loss))
-        worst = max(worst, g_ratio, w_ratio, l_ratio)
-        row = {"step": step, "G": g, "L": abs(pf_loss - ref_loss), "W": w, "G_ratio": g_ratio, "L_ratio": l_ratio,
-               "W_ratio": w_ratio}
-        report.append(row)
-        print(json.dumps(row), flush=True)
-
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": time.strftime("%Y-%m-%d"), "lr": args.lr, "P": args.prefix, "S_max": args.suffix, "N": args.n,
-            "passed": worst <= 1.0, "worst_ratio_to_tolerance": worst}
+    rows = []
+    for variant in [None] + variants:
+        try:
+            rows += trajectory(args, device, variant)
+        except Exception as exc:  # reported, not hidden
+            error = f"{type(exc).__name__}: {exc}"[:400]
+            rows.append({"variant": variant or "correct", "passed": False,
+                         "verdict": criterion.verdict(False, variant in criterion.BROKEN, error), "error": error})
+    good = all(criterion.as_expected(r, r["variant"] in criterion.BROKEN) for r in rows)
+    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "lr": args.lr,
+            "P": args.prefix, "S_max": args.suffix, "N": args.n, "steps": args.steps, "shape": args.shape,
+            "as_required": good}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps({"config": meta, "steps": report}, indent=1))
-    pick = {r["step"]: r for r in report if r["step"] in (1, 10, 20)}
-    cells = " | ".join(f"{pick[s]['G']:.1e} / {pick[s]['L']:.1e} / {pick[s]['W']:.1e}" for s in sorted(pick))
-    lines = [f"# MoE routing replay, bf16 trajectory on {meta['gpu']} ({meta['date']})", "",
-             f"`python benchmarks/gpu_moe_trajectory.py --lr {args.lr:g}` — Qwen3-MoE shape (4 layers, 8 experts, top-2), P="
-             f"{args.prefix}, suffixes up to {args.suffix}, N={args.n}, AdamW lr {args.lr:g}, both sides replay the same "
-             "masks.", "",
-             "| model | step 1 G/L/W | step 10 G/L/W | step 20 G/L/W | worst ratio to tolerance | pass |",
-             "| --- | --- | --- | --- | --- | --- |",
-             f"| Qwen3-MoE (tiny) | {cells} | {worst:.3f} | {'yes' if worst <= 1 else 'NO'} |"]
+    (out / f"{args.tag}.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+    ratio = criterion.format_ratio
+    lines = [f"# MoE routing replay, bf16 trajectory on {meta['gpu']} (torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, {meta['date']})", "",
+             f"`python benchmarks/gpu_moe_trajectory.py {' '.join(sys.argv[1:])}` — Qwen3-MoE ({args.shape} shape: "
+             f"{SHAPES[args.shape]['num_hidden_layers']} layers, {SHAPES[args.shape]['num_experts']} experts, top-2), "
+             f"P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, {args.steps} SGD steps at lr {args.lr:g}, "
+             "both sides replay the same masks. Primary: per parameter, PrefixFlow's gradient error against the fp64 "
+             f"full-sequence gradient over the bf16 baseline's, at most {criterion.LIMIT} for the worst parameter, "
+             "both at the baseline's weights. Secondary (reported only): max |difference| G / L / W and the worst "
+             f"ratio to the paper's {criterion.PAPER}.", "",
+             "| variant | step | worst ratio (parameter) | median ratio | median rel err baseline / PrefixFlow "
+             "| drifted apart | G / L / W | paper ratio G / L / W | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | - | {r['error'][:100]} | - | - | - | - | - | {r['verdict']} |")
+            continue
+        lines.append(f"| {r['variant']} | {r['step']} | {ratio(r['worst_ratio'])} ({r['worst_param']}) | "
+                     f"{ratio(r['median_ratio'])} | {r['median_err']['baseline']:.2e} / "
+                     f"{r['median_err']['candidate']:.2e} | {r['drifted_apart']:.1e} | "
+                     f"{r['G']:.1e} / {r['L']:.1e} / {r['W']:.1e} | "
+                     f"{r['G_ratio']:.3f} / {r['L_ratio']:.3f} / {r['W_ratio']:.3f} | {r['verdict']} |")
+    lines += ["", f"Every correct and diagnostic row passes and every broken row fails: {'yes' if good else 'NO'}"]
     (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    sys.exit(0 if good else 1)
 
 
 if __name__ == "__main__":

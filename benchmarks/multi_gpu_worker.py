@@ -1,16 +1,23 @@
 """One rank of a run of `benchmarks/multi_gpu_suite.py` (launched by it through torch.distributed.run).
 
     python -m torch.distributed.run --nproc_per_node N benchmarks/multi_gpu_worker.py train ENGINE SCRATCH JSON_ARGS
+    python -m torch.distributed.run --nproc_per_node 1 benchmarks/multi_gpu_worker.py reference - SCRATCH JSON_ARGS
     python -m torch.distributed.run --nproc_per_node 1|2 benchmarks/multi_gpu_worker.py capacity - OUT_JSON JSON_ARGS
 
-`train` ENGINE: `baseline` (stock GRPOTrainer, one process), `zero2`/`zero3` (PrefixFlowGRPOTrainer under DeepSpeed
-ZeRO), `sp2` (PrefixFlowGRPOTrainer, prefixflow_sp_size=2), and the controls `stock-zero2`/`stock-zero3`/`stock-ddp`
-(GRPOTrainer on the same engine). Rank 0 writes `SCRATCH/ENGINE_step{k}.pt` = {loss, grads, weights} at the record
-steps: the loss of the optimizer step (the mean over ranks of the summed microbatch losses each rank backpropagated),
-every parameter's full gradient right before the optimizer step (DeepSpeed: `safe_get_full_grad` inside
-`DeepSpeedEngine.step`, which Accelerate calls at the end of the boundary backward, before clipping and the update;
-others: `on_pre_optimizer_step`, after PrefixFlow's Phase C and DP all-reduce), and every weight after the step
-(DeepSpeed: the fp32 master weights, `safe_get_full_fp32_param`, gathered under ZeRO-3; others: the fp32 weights).
+`train` ENGINE: `baseline` (stock GRPOTrainer, one process), `ddp` (PrefixFlowGRPOTrainer under plain DDP),
+`zero2`/`zero3` (under DeepSpeed ZeRO), `fsdp2` (under FSDP2 through Accelerate), `sp2` (prefixflow_sp_size=2), the
+controls `stock-ddp`/`stock-zero2`/`stock-zero3`/`stock-fsdp2` (GRPOTrainer on the same engine), and `ENGINE:VARIANT`
+with a variant of `criterion.variant` patched in (a broken one must fail). Rank 0 writes `SCRATCH/ENGINE_step{k}.pt`
+= {loss, grads, weights_before, weights} at the record steps: the loss of the optimizer step (the mean over ranks of
+the summed microbatch losses each rank backpropagated), every parameter's full gradient and weight right before the
+optimizer step (DeepSpeed: `safe_get_full_grad` and the fp32 master weights inside `DeepSpeedEngine.step`, which
+Accelerate calls at the end of the boundary backward, before clipping and the update; others:
+`on_pre_optimizer_step`, after PrefixFlow's Phase C and the DP reduction; FSDP2 shards gathered), and every weight
+after the step (DeepSpeed: the fp32 master weights, gathered under ZeRO-3; others: the fp32 weights). The baseline
+also writes `baseline_inputs_step{k}.pt`: each microbatch's TRL inputs and the factor its loss reached autograd with.
+
+`reference` (one process): the fp64 full-sequence gradient of each recorded step at every engine's weights before
+it, stock TRL's loss over the baseline's microbatches, no autocast (`reference_ENGINE_step{k}.pt`).
 
 `capacity`: the low-level API on a bigger shape, under a memory cap. JSON_ARGS "stage" "baseline" (one process):
 bracket the one-GPU full-sequence baseline's largest prefix; "sp2" (two processes): train one group of prefix "P"
@@ -40,7 +47,8 @@ def make_tokenizer(vocab: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    table = {token: i for i, token in enumerate(SPECIALS + [f"{WORDS_PREFIX}{i}" for i in range(vocab - len(SPECIALS))])}
+    words = [f"{WORDS_PREFIX}{i}" for i in range(vocab - len(SPECIALS))]
+    table = {token: i for i, token in enumerate(SPECIALS + words)}
     tokenizer = Tokenizer(models.WordLevel(vocab=table, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
@@ -106,12 +114,33 @@ def make_model(cfg: dict):
 
 # -- recording loss, gradients and weights at the record steps ------------------------------------------------------
 
+def full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor of an FSDP2 shard (a collective: every rank calls it), any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def on_cpu(value):
+    """`value` (a TRL batch: tensors, lists, scalars) with every tensor detached on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v) for v in value)
+    return value
+
+
 class Recorder:
     def __init__(self, trainer, steps: list[int], engine: str, scratch: str):
         self.trainer, self.steps, self.engine, self.scratch = trainer, set(steps), engine, scratch
         self.deepspeed = "zero" in engine
         self.window = 0.0
         self.grads: dict | None = None
+        self.weights_before: dict | None = None
+        self.microbatches: list[dict] = []  # the baseline's: rows and loss scale of each, for the fp64 reference
+        self.pending = None
         self.rank = int(os.environ.get("RANK", 0))
 
     def params(self):
@@ -120,22 +149,25 @@ class Recorder:
     def next_step(self) -> int:
         return self.trainer.state.global_step + 1
 
-    def capture_grads(self, get) -> None:
+    def capture(self, grad_of, weight_of) -> None:
+        """Every parameter's full gradient and weight right before the optimizer step, at the record steps."""
         if self.next_step() not in self.steps or self.grads is not None:
             return
-        grads = {}
-        for name, param in self.params():  # same order on every rank: the ZeRO getters are collectives
-            grad = get(param)
+        grads, weights = {}, {}
+        for name, param in self.params():  # same order on every rank: the ZeRO and FSDP getters are collectives
+            grad, weight = grad_of(param), weight_of(param)
             if self.rank == 0:
                 grads[name] = None if grad is None else grad.detach().float().cpu().clone()
-        self.grads = grads
+                weights[name] = weight.detach().float().cpu().clone()
+        self.grads, self.weights_before = grads, weights
 
     def step_end(self) -> None:
         step = self.trainer.state.global_step
         loss = torch.tensor([self.window], dtype=torch.float64, device=self.trainer.accelerator.device)
         self.window = 0.0
         if step not in self.steps:
-            self.grads = None
+            self.grads = self.weights_before = None
+            self.microbatches = []
             return
         if dist.is_initialized():
             dist.all_reduce(loss)
@@ -144,15 +176,19 @@ class Recorder:
         if self.deepspeed:
             from deepspeed.utils import safe_get_full_fp32_param
         for name, param in self.params():
-            value = safe_get_full_fp32_param(param) if self.deepspeed else param
+            value = safe_get_full_fp32_param(param) if self.deepspeed else full(param)
             if value is None:
                 value = param
             if self.rank == 0:
                 weights[name] = value.detach().float().cpu().clone()
         if self.rank == 0:
-            torch.save({"loss": loss.item(), "grads": self.grads, "weights": weights},
+            torch.save({"loss": loss.item(), "grads": self.grads, "weights": weights,
+                        "weights_before": self.weights_before},
                        os.path.join(self.scratch, f"{self.engine}_step{step}.pt"))
-        self.grads = None
+            if self.microbatches:
+                torch.save(self.microbatches, os.path.join(self.scratch, f"{self.engine}_inputs_step{step}.pt"))
+        self.grads = self.weights_before = None
+        self.microbatches = []
 
 
 def install(trainer, recorder: Recorder) -> None:
@@ -161,7 +197,7 @@ def install(trainer, recorder: Recorder) -> None:
     class Callback(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             if not recorder.deepspeed:
-                recorder.capture_grads(lambda p: p.grad)
+                recorder.capture(lambda p: full(p.grad), full)
 
         def on_step_end(self, args, state, control, **kwargs):
             recorder.step_end()
@@ -175,15 +211,39 @@ def install(trainer, recorder: Recorder) -> None:
         return loss
 
     trainer.training_step = recorded
+    if recorder.engine == "baseline":  # each microbatch's rows and the factor its loss is backpropagated with
+        compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
+
+        def recorded_loss(model, inputs, *args, **kwargs):
+            loss = compute_loss(model, inputs, *args, **kwargs)
+            if recorder.next_step() in recorder.steps:
+                recorder.pending = (on_cpu(inputs), loss.detach())
+            return loss
+
+        def recorded_backward(loss, **kwargs):
+            if recorder.pending is not None:
+                inputs, raw = recorder.pending
+                # what reaches autograd: the trainer's scaling, then Accelerate's division by its own accumulation
+                scale = (loss.detach() / raw).item() / trainer.accelerator.gradient_accumulation_steps
+                recorder.microbatches.append({"inputs": inputs, "scale": scale,
+                                              "accumulation": trainer.current_gradient_accumulation_steps})
+                recorder.pending = None
+            return backward(loss, **kwargs)
+
+        trainer.compute_loss, trainer.accelerator.backward = recorded_loss, recorded_backward
     if recorder.deepspeed:  # Accelerate steps the engine inside the boundary backward: grads are read just before
         from deepspeed.runtime.engine import DeepSpeedEngine
-        from deepspeed.utils import safe_get_full_grad
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
         step = DeepSpeedEngine.step
 
+        def master(param):  # the fp32 master weight (gathered under ZeRO-3)
+            weight = safe_get_full_fp32_param(param)
+            return param if weight is None else weight
+
         def recorded_step(engine, *args, **kwargs):
             if engine.is_gradient_accumulation_boundary():
-                recorder.capture_grads(safe_get_full_grad)
+                recorder.capture(safe_get_full_grad, master)
             return step(engine, *args, **kwargs)
 
         DeepSpeedEngine.step = recorded_step
@@ -197,10 +257,46 @@ def deepspeed_config(stage: int) -> dict:
             "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"}}
 
 
+def fsdp_on_cpu() -> None:
+    """--tiny: Accelerate turns an FSDP plugin into FSDP only on accelerators; on gloo it would silently train plain
+    DDP. `fully_shard` itself runs on a CPU mesh, so let Accelerate's FSDP path run there (as tests/ddp_worker.py)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = patched
+
+
+def trainer_args(cfg: dict, scratch: str, engine: str, processes: int, bf16: bool) -> dict:
+    """The GRPOConfig arguments every engine shares (the same rows in the same microbatches, no clipping)."""
+    tiny = cfg["tiny"]
+    common = dict(output_dir=os.path.join(scratch, engine), num_generations=cfg["n"],
+                  per_device_train_batch_size=cfg["global_rows"] // (cfg["gas"] * processes),
+                  gradient_accumulation_steps=cfg["gas"], max_completion_length=cfg["completion"],
+                  max_steps=max(cfg["steps"]), report_to="none", logging_steps=1, save_strategy="no",
+                  learning_rate=cfg["lr"], optim=cfg["optim"], lr_scheduler_type="constant", warmup_steps=0,
+                  weight_decay=0.0, max_grad_norm=0.0, seed=3, bf16=bf16, use_cpu=tiny,
+                  ddp_backend="gloo" if tiny else "nccl", disable_tqdm=True, dataloader_num_workers=0)
+    if engine.endswith(("zero2", "zero3")):
+        common["deepspeed"] = deepspeed_config(int(engine[-1]))
+    if engine.endswith("fsdp2"):
+        common.update(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]})
+    return common
+
+
 def train(engine: str, scratch: str, cfg: dict) -> None:
+    """ENGINE[:VARIANT]: with a variant of `criterion` (a broken one must fail the comparison) patched in."""
     import trl.trainer.grpo_trainer as trl_grpo
     from trl import GRPOConfig, GRPOTrainer
 
+    import criterion
     from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
     from trainers import grpo as pf_grpo
     from trainers.grouping import check_group_prompts
@@ -210,26 +306,18 @@ def train(engine: str, scratch: str, cfg: dict) -> None:
     pf_grpo.shuffle_groups = (
         lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
 
+    name, _, variant = engine.partition(":")
     processes = int(os.environ.get("WORLD_SIZE", 1))
+    if name.endswith("fsdp2") and cfg["tiny"]:
+        fsdp_on_cpu()
     model = make_model(cfg)  # before the config: a live DeepSpeed config would make transformers init under zero.Init
-    tiny = cfg["tiny"]
-    common = dict(output_dir=os.path.join(scratch, engine), num_generations=cfg["n"],
-                  per_device_train_batch_size=cfg["global_rows"] // (cfg["gas"] * processes),
-                  gradient_accumulation_steps=cfg["gas"], max_completion_length=cfg["completion"],
-                  max_steps=max(cfg["steps"]), report_to="none", logging_steps=1, save_strategy="no",
-                  learning_rate=cfg["lr"], optim=cfg["optim"], lr_scheduler_type="constant", warmup_steps=0,
-                  weight_decay=0.0, max_grad_norm=0.0, seed=3, bf16=not tiny, use_cpu=tiny,
-                  ddp_backend="gloo" if tiny else "nccl", disable_tqdm=True, dataloader_num_workers=0)
-    if cfg["optim"] == "sgd":
-        common["optim_args"] = "momentum=0.9"
-    if engine.endswith(("zero2", "zero3")):
-        common["deepspeed"] = deepspeed_config(int(engine[-1]))
-    stock = engine == "baseline" or engine.startswith("stock")
+    common = trainer_args(cfg, scratch, engine, processes, bf16=not cfg["tiny"])
+    stock = name == "baseline" or name.startswith("stock")
     if stock:
         trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
     else:
         trainer_cls = PrefixFlowGRPOTrainer
-        args = PrefixFlowGRPOConfig(prefixflow_sp_size=2 if engine == "sp2" else 1, **common)
+        args = PrefixFlowGRPOConfig(prefixflow_sp_size=2 if name == "sp2" else 1, **common)
     dataset = make_dataset(cfg["global_rows"] // cfg["n"] * max(cfg["steps"]) + 4, tuple(cfg["prompt"]), cfg["vocab"])
     trainer = trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=make_tokenizer(cfg["vocab"]))
@@ -237,12 +325,14 @@ def train(engine: str, scratch: str, cfg: dict) -> None:
     recorder = Recorder(trainer, cfg["steps"], engine, scratch)
     install(trainer, recorder)
     start = time.perf_counter()
-    trainer.train()
+    with criterion.variant(variant or None, cfg["layers"]) as used:
+        trainer.train()
     if recorder.rank == 0:
         print(json.dumps({"engine": engine, "train_s": round(time.perf_counter() - start, 2),
                           "per_device_train_batch_size": args.per_device_train_batch_size,
-                          "processes": processes, "precision": precision(engine, tiny),
-                          "gpu": None if tiny else torch.cuda.get_device_name()}), flush=True)
+                          "processes": processes, "precision": precision(name, cfg["tiny"]),
+                          "wrapped": type(trainer.model_wrapped).__name__, "variant_calls": used["calls"],
+                          "gpu": None if cfg["tiny"] else torch.cuda.get_device_name()}), flush=True)
     if dist.is_initialized():  # an orderly teardown (gloo has aborted at interpreter exit after ZeRO-3)
         dist.barrier()
         dist.destroy_process_group()
@@ -253,7 +343,51 @@ def precision(engine: str, tiny: bool) -> str:
         return "fp32"
     if "zero" in engine:
         return "DeepSpeed bf16 (bf16 weights/activations/grads in the engine, fp32 master weights)"
+    if "fsdp2" in engine:
+        return "FSDP2 mixed precision through Accelerate (bf16 compute weights, fp32 sharded weights)"
     return "bf16 autocast over fp32 weights (Accelerate mixed_precision=bf16)"
+
+
+def reference(scratch: str, cfg: dict) -> None:
+    """The fp64 full-sequence gradient of every recorded step at each engine's weights before that step: stock
+    TRL's loss (`compute_loss`, no autocast) over the baseline's microbatches of the step, each scaled as the
+    baseline's trainer backpropagated it. Writes `reference_ENGINE_step{k}.pt` beside the snapshots."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    device = torch.device("cpu") if cfg["tiny"] else torch.device("cuda")
+    model = make_model(cfg).to(device, torch.float64)
+    args = GRPOConfig(**trainer_args(cfg, scratch, "reference", 1, bf16=False))
+    dataset = make_dataset(4, tuple(cfg["prompt"]), cfg["vocab"])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=make_tokenizer(cfg["vocab"]))
+    model = model.to(device, torch.float64).train()
+    params = dict(model.named_parameters())
+    for step in cfg["steps"]:
+        inputs_path = os.path.join(scratch, f"baseline_inputs_step{step}.pt")
+        if not os.path.exists(inputs_path):
+            continue
+        microbatches = torch.load(inputs_path, weights_only=False)
+        done = []  # (weights, grads): engines at the same weights share one reference (every engine at step 1)
+        for path in sorted(f for f in os.listdir(scratch) if f.endswith(f"_step{step}.pt") and "_" in f):
+            engine = path[: -len(f"_step{step}.pt")]
+            if engine.startswith("reference_") or engine.endswith("_inputs"):
+                continue
+            weights = torch.load(os.path.join(scratch, path), weights_only=False)["weights_before"]
+            grads = next((g for w, g in done if all(torch.equal(w[n], weights[n]) for n in w)), None)
+            if grads is None:
+                with torch.no_grad():
+                    for name, param in params.items():
+                        param.copy_(weights[name])
+                model.zero_grad(set_to_none=True)
+                for batch in microbatches:
+                    trainer.current_gradient_accumulation_steps = batch["accumulation"]
+                    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                              for k, v in batch["inputs"].items()}
+                    (trainer.compute_loss(model, inputs) * batch["scale"]).backward()
+                grads = {n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in params.items()}
+                done.append((weights, grads))
+            torch.save(grads, os.path.join(scratch, f"reference_{engine}_step{step}.pt"))
+            print(json.dumps({"reference": engine, "step": step, "shared": len(done)}), flush=True)
 
 
 # -- SP capacity: the one-GPU full-sequence baseline vs Ulysses SP=2, low-level API ----------------------------------
@@ -399,5 +533,7 @@ if __name__ == "__main__":
     mode, name, path, cfg_json = sys.argv[1:5]
     if mode == "train":
         train(name, path, json.loads(cfg_json))
+    elif mode == "reference":
+        reference(path, json.loads(cfg_json))
     else:
         capacity(path, json.loads(cfg_json))
