@@ -1,0 +1,244 @@
+"""Whole GRPO steps on image prompts: GRPOTrainer and PrefixFlowGRPOTrainer side by side on one GPU.
+
+    python benchmarks/vision_step.py --out $OUT            # H200: Qwen2.5-VL-3B shape, bf16, the default grid
+    python benchmarks/vision_step.py --tiny --out /tmp/vision_step   # CPU: a tiny Qwen2-VL, about a minute
+
+Each prompt holds `--images` images of `--image-tokens` tokens each (square images of 28 * sqrt(tokens) pixels:
+1,024 tokens, 4,096 patches at 896 pixels) and `--text` words; each of its `--n` completions is `--completion`
+random tokens (generation replaced by fixed completions, the same for both trainers, so a step is the actor update:
+TRL's scoring and bookkeeping, the forwards and backwards, Phase C, the optimizer step). Both trainers run in one
+process on the same random-init model (built again with the same seed for each), the same prompts and rewards, with
+a plain `GRPOConfig`: bf16, beta 0, one group per optimizer step (`per_device_train_batch_size` = N), activation
+checkpointing as `--checkpointing` says. Steps are timed as `trainer_step.py` times them (`StepTimer`: from
+`on_step_begin` to `on_step_end`, CUDA-synchronised on both sides); each row gives the median of `--steps` steps
+after `--warmup`, the peak allocated memory, and the FLOP ratio of a group: N full sequences (the vision tower run
+once per completion) over PrefixFlow's one prompt pass (the tower once) and N suffix passes.
+
+Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import random
+import statistics
+import tempfile
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import PrinterCallback, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic_vision
+from hf_prefixflow.flops import ModelShape
+from trainer_step import StepTimer, device_name, git_commit, release, sync, timed_generation
+
+TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+PATCH, MERGE = 14, 2  # Qwen2-VL's patch side and the 2x2 merge of patches into one token
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU: a tiny Qwen2-VL and small images")
+    parser.add_argument("--images", type=int, default=4, help="images per prompt")
+    parser.add_argument("--image-tokens", type=int, default=1024, help="tokens per image (a square number)")
+    parser.add_argument("--text", type=int, default=500, help="text words per prompt")
+    parser.add_argument("--completion", type=int, default=512, help="tokens per completion")
+    parser.add_argument("--n", type=int, default=8, help="completions per prompt (num_generations)")
+    parser.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--trainers", default="stock,prefixflow")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.image_tokens, args.text, args.completion = min(args.image_tokens, 16), min(args.text, 40), 16
+        args.n, args.steps = min(args.n, 4), min(args.steps, 2)
+    if math.isqrt(args.image_tokens) ** 2 != args.image_tokens:
+        parser.error("--image-tokens must be a square number (square images)")
+    return args
+
+
+def image_size(args) -> int:
+    return PATCH * MERGE * math.isqrt(args.image_tokens)
+
+
+def build_model(processor, tiny: bool) -> torch.nn.Module:
+    """A random-init model with the processor's special-token ids: Qwen2.5-VL-3B's shape (bf16, SDPA) on the GPU, a
+    tiny Qwen2-VL with `--tiny`."""
+    if tiny:
+        return synthetic_vision.make_model(processor, hidden=64, layers=2)
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000,
+                         rms_norm_eps=1e-6, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], in_channels=3, hidden_act="silu"),
+        tie_word_embeddings=True, **ids)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16)
+
+
+def dataset(args, rows: int) -> Dataset:
+    """`rows` prompts of `--images` shape images and `--text` words."""
+    rng = random.Random(0)
+    words, size = synthetic_vision.WORDS, image_size(args)
+    prompts, images = [], []
+    for _ in range(rows):
+        drawn = [synthetic_vision.draw(rng.choice(list(synthetic_vision.COLOURS)), rng.choice(synthetic_vision.SHAPES),
+                                       size, rng) for _ in range(args.images)]
+        text = " " + " ".join(rng.choice(words) for _ in range(args.text)) + " "
+        prompts.append([{"role": "user", "content": [{"type": "image"} for _ in drawn] + [{"type": "text",
+                                                                                          "text": text}]}])
+        images.append(drawn)
+    return Dataset.from_dict({"prompt": prompts, "images": images, "answer": ["red square"] * rows})
+
+
+def fixed_completions(trainer, processor, length: int) -> None:
+    """Generation replaced by random completions of `length` word tokens (no EOS, no special token)."""
+    rng, words = random.Random(0), range(len(synthetic_vision.SPECIALS), len(processor.tokenizer))
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [[rng.choice(words) for _ in range(length)] for _ in prompt_ids], None
+
+    trainer._generate_single_turn = generate
+
+
+def make_trainer(name: str, args, checkpointing: bool):
+    processor = synthetic_vision.make_processor(patch=PATCH, image_size=image_size(args))
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), max_steps=args.warmup + args.steps, per_device_train_batch_size=args.n,
+        num_generations=args.n, max_completion_length=args.completion, gradient_checkpointing=checkpointing,
+        bf16=cuda, use_cpu=not cuda, learning_rate=1e-6, beta=0.0, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, seed=0)
+    rewards = random.Random(1)
+    trainer = TRAINERS[name](
+        model=build_model(processor, args.tiny), args=config, processing_class=processor,
+        reward_funcs=lambda completions, **kwargs: [rewards.random() for _ in completions],
+        train_dataset=dataset(args, args.warmup + args.steps + 1))
+    trainer.remove_callback(PrinterCallback)
+    fixed_completions(trainer, processor, args.completion)
+    return trainer
+
+
+def run(name: str, args, checkpointing: bool) -> dict:
+    trainer = make_trainer(name, args, checkpointing)
+    timer, generation = StepTimer(), timed_generation(trainer)
+    trainer.add_callback(timer)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    result = {"steps": timer.times[args.warmup:], "generation": generation[args.warmup:],
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+              "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs),
+              "groups": sum(log.get("prefixflow/groups", 0) for log in logs),
+              "flops": group_flops(trainer.model, args)}
+    release(trainer)
+    return result
+
+
+def group_flops(model, args) -> dict[str, float]:
+    """Training FLOPs of one group: N full sequences, and PrefixFlow's prompt pass plus N suffix passes, vision
+    tower included (once per completion in the first, once in the second)."""
+    prompt = args.images * args.image_tokens + args.text + 6  # the chat template's tokens around the text
+    shape = ModelShape.from_config(model.config)
+    vision = args.images * tower_flops(model, args.image_tokens * MERGE * MERGE)
+    suffixes = [args.completion] * args.n
+    return {"stock": args.n * vision + shape.full_sequence(prompt, suffixes),
+            "prefixflow": vision + shape.prefixflow(prompt, suffixes), "vision_share_stock": args.n * vision
+            / (args.n * vision + shape.full_sequence(prompt, suffixes))}
+
+
+def tower_flops(model, patches: int) -> float:
+    """Training FLOPs (3x forward) of the vision tower on one image of `patches` patches: every block's matrix
+    multiplies per patch, attention within windows (Qwen2.5-VL: `window_size` pixels square) or the whole image
+    (`fullatt_block_indexes`; every block in Qwen2-VL), the patch embedding and the merger."""
+    visual = model.model.visual
+    config = visual.config
+    window = getattr(config, "window_size", None)
+    window_patches = (window // config.patch_size) ** 2 if window else patches
+    full = set(getattr(config, "fullatt_block_indexes", range(len(visual.blocks))))
+    width = config.embed_dim if hasattr(config, "embed_dim") else config.hidden_size
+    flops = 6 * _matmul_weights(visual.patch_embed) * patches + 6 * _matmul_weights(visual.merger) * patches // 4
+    for index, block in enumerate(visual.blocks):
+        span = patches if index in full else min(window_patches, patches)
+        flops += 6 * _matmul_weights(block) * patches + 12 * width * patches * span
+    return flops
+
+
+def _matmul_weights(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
+def measure(args, checkpointing: bool, commit: str) -> dict:
+    runs = {name: run(name, args, checkpointing) for name in args.trainers.split(",")}
+    flops = next(iter(runs.values()))["flops"]
+    row = {"model": "tiny-qwen2-vl" if args.tiny else "qwen2.5-vl-3b", "images": args.images,
+           "image_tokens": args.image_tokens, "text_words": args.text, "S": args.completion, "N": args.n,
+           "checkpointing": checkpointing, "flop_ratio": round(flops["stock"] / flops["prefixflow"], 3),
+           "vision_flop_share_stock": round(flops["vision_share_stock"], 3)}
+    for name, result in runs.items():
+        row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
+        row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
+        row[f"{name}_generation_s"] = round(statistics.median(result["generation"]), 4)
+        row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
+    if "prefixflow" in runs:
+        row["prefixflow_groups"] = runs["prefixflow"]["groups"]
+        row["prefixflow_fallback_rows"] = runs["prefixflow"]["fallback_rows"]
+    row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if len(runs) == 2 else None
+    row.update(warmup=args.warmup, timed_steps=args.steps, gpu=device_name(), torch=torch.__version__,
+               transformers=transformers.__version__, commit=commit, date=datetime.date.today().isoformat())
+    return row
+
+
+def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vision_step.json").write_text(json.dumps(rows, indent=1))
+    first = rows[0]
+    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
+             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+             "| model | images x tokens | text words | S | N | checkpointing | stock s | PrefixFlow s | speedup "
+             "| FLOP ratio (vision share) | peak GiB stock / PF | shared groups / fallback rows |",
+             "| --- " * 12 + "|"]
+    for r in rows:
+        peaks = f"{r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')}"
+        lines.append(f"| {r['model']} | {r['images']} x {r['image_tokens']} | {r['text_words']} | {r['S']} | "
+                     f"{r['N']} | {'on' if r['checkpointing'] else 'off'} | {r.get('stock_s', '-')} | "
+                     f"{r.get('prefixflow_s', '-')} | {r['speedup'] or '-'}x | {r['flop_ratio']}x "
+                     f"({r['vision_flop_share_stock']:.0%}) | {peaks} "
+                     f"| {r.get('prefixflow_groups', '-')} / {r.get('prefixflow_fallback_rows', '-')} |")
+    (out / "vision_step.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    import sys
+
+    args = parse_args(argv)
+    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
+    command = "python benchmarks/vision_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    commit, rows = git_commit(), []
+    for checkpointing in {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]:
+        rows.append(measure(args, checkpointing, commit))
+        write(rows, out, command)
+        print(json.dumps(rows[-1]))
+    sync()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
