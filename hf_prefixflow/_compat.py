@@ -100,6 +100,7 @@ def set_sync_gradients(accelerator, value: bool) -> None:
 GRPO_TRAINER_PRIVATE = {
     "_build_accelerator_args": None,  # None: any signature (it forwards **kwargs)
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+    "_generate": ("prompts",),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
     "_prepare_inputs": ("generation_batch",),

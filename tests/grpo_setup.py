@@ -7,7 +7,8 @@ import random
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
@@ -49,6 +50,23 @@ def make_moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
     return model
 
 
+def make_gpt_oss_model(seed: int = 0) -> GptOssForCausalLM:
+    """A tiny gpt-oss: attention sinks, sliding and full layers, its own router."""
+    config = GptOssConfig(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=16,
+                          num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, sliding_window=4,
+                          layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+    config._attn_implementation = "eager"  # attention sinks
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    return model
+
+
 def make_dataset(prompts: int = 4, seed: int = 0, lengths=(12, 30)) -> Dataset:
     rng = random.Random(seed)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*lengths))) for _ in range(prompts)]
@@ -82,3 +100,45 @@ def freeze_rollouts(trainer, max_length: int, seed: int = 0, per_prompt: bool = 
         return out, None
 
     trainer._generate_single_turn = generate
+
+
+def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: the key
+    """
+    return key
+
+
+def simulate_tool_calls(trainer, result=(10, 11, 12)) -> None:
+    """TRL's tool loop for a tokenizer without a tool chat template: every other row calls `lookup`, whose result
+    tokens are appended (tool_mask 0), and the model generates again from prompt + completion + result (TRL's
+    `_generate_single_turn`, one completion per row), within max_completion_length."""
+    trainer.tools = [lookup]
+
+    def loop(prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        budget = trainer.max_completion_length - len(result)
+        calling = [i for i, ids in enumerate(completion_ids) if i % 2 == 0 and len(ids) < budget]
+        tool_mask = [[1] * len(ids) for ids in completion_ids]
+        if calling:
+            contexts = [prompt_ids[i] + completion_ids[i] + list(result) for i in calling]
+            later, _ = trainer._generate_single_turn(contexts, None, {}, 1)
+            for i, more in zip(calling, later):
+                more = more[: budget - len(completion_ids[i])]
+                completion_ids[i] = completion_ids[i] + list(result) + more
+                tool_mask[i] += [0] * len(result) + [1] * len(more)
+        texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return tool_mask, texts, completion_ids, logprobs, len(calling), 0, [[] for _ in completion_ids]
+
+    trainer._tool_call_loop = loop
+
+
+def frozen_rollout_func(prompts: list[str], trainer) -> dict:
+    """A custom rollout (TRL's `rollout_func`): completions that depend only on the prompt and its copy's index."""
+    prompt_ids = [trainer.processing_class(text)["input_ids"] for text in prompts]
+    completion_ids = []
+    for index, ids in enumerate(prompt_ids):
+        rng = random.Random(hash((tuple(ids), index)) & 0xFFFFFFFF)
+        completion_ids.append([rng.randrange(3, len(SPECIALS) + len(WORDS)) for _ in range(rng.randint(1, 6))])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}

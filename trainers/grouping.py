@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.layouts import right_padded
 
 
 def check_geometry(per_device_batch: int, num_generations: int, steps_per_generation: int,
                    can_split: bool = False) -> bool:
-    """Microbatches must hold whole groups, or a whole group must span a whole number of microbatches. Returns
-    whether a group straddles processes, which only engines that can split a group (`can_split`: plain DDP)
-    accept; the others need each process to hold whole groups."""
-    if per_device_batch % num_generations and num_generations % per_device_batch:
-        raise PrefixFlowError(
-            f"per_device_train_batch_size={per_device_batch} splits groups of num_generations={num_generations} "
-            "unevenly across microbatches. Set per_device_train_batch_size to a multiple of num_generations (whole "
-            "groups per microbatch) or to a divisor of it (a group spans several microbatches)."
-        )
+    """Returns whether a group straddles processes, which only engines that can split a group (`can_split`: plain
+    DDP) accept; the others need each process to hold whole groups. Within a process a group may span microbatches
+    in any proportion: its prompt stays cached until the last microbatch that reads it."""
     rows = per_device_batch * steps_per_generation
     straddles = bool(rows % num_generations)
     if straddles and not can_split:
@@ -89,28 +84,50 @@ class BatchGroup:
     """Rows of a `[prompt | completion]` batch that share one prompt."""
 
     rows: list[int]
-    prefix_ids: torch.Tensor  # [P] real prompt tokens (left padding stripped)
+    prefix_ids: torch.Tensor  # [P] real prompt tokens (left padding stripped), on the batch's device
     position_offset: int  # left padding: where the stock trainer places the first prompt token
-
-    @property
-    def key(self) -> tuple:
-        return (self.position_offset, tuple(self.prefix_ids.tolist()))
+    key: tuple  # (position_offset, prompt tokens): the same prompt in any microbatch or process
 
 
-def find_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int) -> list[BatchGroup]:
-    """Group rows by identical real prompt tokens (left-padded prompts, as TRL lays them out)."""
+@dataclass(frozen=True)
+class BatchIndex:
+    """A batch's prompt groups and each row's completion length, as the host knows them."""
+
+    groups: list[BatchGroup]
+    lengths: list[int]  # real completion tokens per row
+
+    def rows_in(self, start: int, stop: int) -> "BatchIndex":
+        """The index of rows `start:stop` (a microbatch, or a run of them), rows renumbered from `start`."""
+        groups = []
+        for group in self.groups:
+            rows = [row - start for row in group.rows if start <= row < stop]
+            if rows:
+                groups.append(replace(group, rows=rows))
+        return BatchIndex(groups, self.lengths[start:stop])
+
+
+def index_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_length: int) -> BatchIndex:
+    """Group rows by identical real prompt tokens and count their completion tokens, checking TRL's layout (prompts
+    left-padded, completions right-padded). Read on the host after one copy: one device synchronisation per batch,
+    none per group or row."""
     width = input_ids.shape[1] - completion_length
-    prompt, mask = input_ids[:, :width], attention_mask[:, :width].bool()
-    if (mask[:, :-1] & ~mask[:, 1:]).any():
+    prompt = input_ids[:, :width]
+    host = torch.cat([prompt, attention_mask.to(prompt.dtype)], dim=1).cpu()
+    host_ids, mask = host[:, :width], host[:, width:].bool()
+    prompt_mask, completion_mask = mask[:, :width], mask[:, width:]
+    if (prompt_mask[:, :-1] & ~prompt_mask[:, 1:]).any():
         raise PrefixFlowError("prompts must be left-padded (mask 0...0 1...1), as TRL pads them.")
-    keyed = prompt.masked_fill(~mask, -1)
+    if not right_padded(completion_mask):
+        raise PrefixFlowError("completions must be right-padded (mask 1...1 0...0), as TRL pads them.")
+    keyed = host_ids.masked_fill(~prompt_mask, -1)
     unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    padding = (~mask).sum(dim=1)
+    padding = (~prompt_mask).sum(dim=1).tolist()
     groups = []
-    for index, rows in enumerate(_rows_by_label(inverse.tolist(), len(unique))):
-        offset = int(padding[rows[0]])
-        groups.append(BatchGroup(rows, prompt[rows[0], offset:], offset))
-    return groups
+    for rows in _rows_by_label(inverse.tolist(), len(unique)):
+        offset = padding[rows[0]]
+        key = (offset, tuple(host_ids[rows[0], offset:].tolist()))
+        groups.append(BatchGroup(rows, prompt[rows[0], offset:], offset, key))
+    return BatchIndex(groups, completion_mask.sum(dim=1).tolist())
 
 
 def _rows_by_label(labels: list[int], count: int) -> list[list[int]]:

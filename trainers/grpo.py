@@ -4,7 +4,9 @@ Swap `GRPOTrainer` for `PrefixFlowGRPOTrainer`; the config, data, loss, metrics 
 changes: batches are shuffled and split by whole groups instead of rows, and the per-token log-probs come from
 prefix groups: a prompt runs forward once (Phase A), its completions run as a suffix wave through TRL's own fused
 LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C) runs once
-the last microbatch that reads the prompt has been backpropagated, before the optimizer step. MoE models also
+the last microbatch that reads the prompt has been backpropagated, before the optimizer step. Consecutive
+microbatches of an accumulation window that share a prompt train as one run: one forward and one backward of all
+their rows, each microbatch's loss with TRL's own normaliser and metrics (`_run_loss`). MoE models also
 record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
 once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`). Under plain DDP a
 group may straddle processes: its owner's prefix K/V are shared with the other holders and their gK/gV summed back
@@ -20,19 +22,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType, TorchDynamoPlugin
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, apply_prefixflow, moe
+from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, _compat, apply_prefixflow, moe
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
+from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.model import unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 
-from . import routing, sequence_parallel
-from .grouping import BatchGroup, check_geometry, find_groups, shuffle_groups
+from . import multimodal, routing, sequence_parallel
+from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,12 @@ class PrefixFlowGRPOConfig(GRPOConfig):
     prefixflow_wave_size: str | None = field(
         default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
                                         "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
+    prefixflow_merge_microbatches: str = field(
+        default="auto", metadata={"help": "consecutive microbatches of one accumulation window that share a prompt "
+                                          "train as one run (one forward and backward of all their rows, each "
+                                          "microbatch keeping its loss normaliser): 'auto' while the run's completion "
+                                          "tokens fit in one microbatch's full sequences, a number caps the "
+                                          "microbatches per run, 1 turns merging off"})
     prefixflow_kv_grad_dtype: str | None = field(
         default=None, metadata={"help": "dtype gK/gV sum in across waves ('float32', 'bfloat16'); default: the "
                                         "trainable parameters' own (fp32 under DeepSpeed, which accumulates in fp32)"})
@@ -83,7 +93,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
                          "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_prefix_recompute",
-                         "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_kv_grad_dtype")}
+                         "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_merge_microbatches",
+                         "prefixflow_kv_grad_dtype")}
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -99,22 +110,44 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.prefixflow_layout not in ("padded", "packed"):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
+        self._merge_limit = self._check_merge()
         if self.args.torch_compile:
             self._compile_layers()
-        apply_prefixflow(self.model, offload=self.prefixflow_offload,
-                         prefix_recompute=self.prefixflow_prefix_recompute,
-                         suffix_checkpointing=self.prefixflow_suffix_checkpointing,
-                         kv_grad_dtype=self._kv_grad_dtype())
-        if self.ref_model is not None:
-            apply_prefixflow(self.ref_model)
+        # apply_prefixflow's probe seeds the tiny model it builds, and torch.manual_seed reaches the CUDA generators:
+        # keep the run's random streams (sampling) TRL's.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            apply_prefixflow(self.model, offload=self.prefixflow_offload,
+                             prefix_recompute=self.prefixflow_prefix_recompute,
+                             suffix_checkpointing=self.prefixflow_suffix_checkpointing,
+                             kv_grad_dtype=self._kv_grad_dtype())
+            if self.ref_model is not None:
+                apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
         self._session: GroupSession | None = None
         self._open: dict[tuple, object] = {}
         self._fallbacks: Counter = Counter()
-        self._replay = self.prefixflow_routing_replay and bool(moe.routers(unwrap(self.model)))
-        self._routes: torch.Tensor | None = None  # routes of the rows being scored or trained
+        self._image_refusal = multimodal.refusal(self)  # if set, image rows take the plain path whatever the batch
+        self._group_inputs: dict[tuple, dict] = {}  # image groups' prompt tensors for their Phase A, by group key
+        # PrefixFlow reads router logits (for the load-balancing loss) and replays routes of the routers moe.py knows.
+        self._known_routers = bool(moe.routers(unwrap(self.model)))
+        self._replay = self.prefixflow_routing_replay and self._known_routers
+        self._routes: torch.Tensor | str | None = None  # routes of the rows being scored or trained
+        self._turns, self._turn_lengths, self._routes_prompt_width = 0, [], 0  # generation's turns (tool calls)
         if self._replay:
-            self._check_replay_supported()
+            moe.check_replay_supported(unwrap(self.model))
+        # Runs (`_run_loss`): one process or plain DDP, text-only; ZeRO, FSDP2, SP and split groups keep TRL's
+        # microbatches, and so does the load-balancing loss, which is not linear in its tokens.
+        self._runs = not (self._deepspeed or self._fsdp or self._sp is not None or self._split
+                          or self.aux_loss_enabled)
+        self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
+        self._merge_cap = 1  # microbatches per run for the buffered generation
+        self._window_position = 0  # microbatches of this accumulation window already trained
+        self._served: tuple | None = None  # a run's log-probs and entropies of the microbatch TRL's loss reads next
+        self._follow: list[torch.Tensor] = []  # losses of the current run's microbatches still to come
+        self._run_step: str | None = None  # this step's part in a run: "computed" it or "followed" it
+        self._after_run: int | None = None  # the buffer position the next run starts at, if in this window
+        self._anchor: torch.Tensor | None = None
         self._splits: dict[tuple, placement.SplitGroup] = {}  # this window's groups split across processes
         if self._split and moe.routers(unwrap(self.model)):
             raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
@@ -189,18 +222,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's default)."
             )
 
-    def _check_replay_supported(self) -> None:
-        if self.use_vllm or self.use_transformers_continuous_batching:
-            raise PrefixFlowError(
-                "MoE routing replay records routes in TRL's transformers generation path; vLLM and continuous "
-                "batching do not expose them. Set use_vllm=False, or prefixflow_routing_replay=False to let training "
-                "route afresh as GRPOTrainer does."
-            )
-        if self.tools or self.environment_factories is not None or getattr(self, "rollout_func", None) is not None:
-            raise PrefixFlowError("MoE routing replay does not support tool calls or custom rollouts yet; set "
-                                  "prefixflow_routing_replay=False.")
-        moe.check_replay_supported(unwrap(self.model))
-
     # -- MoE routing replay: record during generation, carry with the batch -----------------------------------
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -212,7 +233,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                                                    has_tool_images)
 
     def _generate_recording_routes(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
-        if not self._replay:
+        first, self._turns = self._turns == 0, self._turns + 1
+        # Recorded: the first turn of transformers generation. Tool calls' later turns run from prompts the recording
+        # does not cover, and vLLM or continuous batching route outside this process's routers.
+        if not (self._replay and first) or self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         with moe.record_routing() as recorder:
@@ -220,26 +244,49 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                                                                      num_generations, has_tool_images)
         config = unwrap(self.model).config.get_text_config()
         prefill = next(iter(recorder.calls.values()))[0]  # the first call runs the left-padded prompts
-        prompt_width = prefill.shape[0] // len(prompt_ids)
-        self._routes = routing.assemble(recorder, len(prompt_ids), prompt_width,
+        self._routes_prompt_width = prefill.shape[0] // len(prompt_ids)
+        self._routes = routing.assemble(recorder, len(prompt_ids), self._routes_prompt_width,
                                         max(len(c) for c in completion_ids), config.num_hidden_layers,
                                         num_generations, config.num_experts_per_tok)
+        self._turn_lengths = [len(c) for c in completion_ids]
         return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        self._turns, self._routes = 0, None
+        out = super()._generate(prompts)
+        if self._replay:
+            completion_ids = out[1]
+            if self._routes is None:
+                self._routes = routing.UNRECORDED
+                self._count_fallback("MoE routing replay: rollouts from custom rollouts, vLLM or continuous batching "
+                                     "carry no recorded routes and route afresh", len(completion_ids))
+            elif self._turns > 1:
+                lengths = [len(c) for c in completion_ids]
+                self._routes = routing.first_turn_only(self._routes, self._routes_prompt_width, self._turn_lengths,
+                                                       max(lengths))
+                later = sum(n > first for n, first in zip(lengths, self._turn_lengths))
+                if later:
+                    self._count_fallback("MoE routing replay: tool results and the turns after them route afresh",
+                                         later)
+        return out
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)  # scoring passes inside use self._routes
         if self._replay:
-            width = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
-            if self._routes is None or self._routes.shape[0] != batch["prompt_ids"].shape[0] \
-                    or self._routes.shape[2] != width:
+            routes, width = self._routes, batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+            if routes is not routing.UNRECORDED and (routes is None or routes.shape[0] != batch["prompt_ids"].shape[0]
+                                                     or routes.shape[2] != width):
                 raise PrefixFlowError("the recorded routes do not match the generated batch; replay cannot proceed.")
-            batch[routing.BATCH_KEY] = self._routes
+            batch[routing.BATCH_KEY] = None if routes is routing.UNRECORDED else routes
         self._routes = None
         return batch
 
     def _compute_loss(self, model, inputs):
-        self._routes = inputs.get(routing.BATCH_KEY)
-        if self._split and model.training and torch.is_grad_enabled():  # an actor update's microbatch
+        actor_update = model.training and torch.is_grad_enabled()
+        if actor_update and self._runs and not any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
+            return self._run_loss(model, inputs)
+        self._routes = _batch_routes(inputs)
+        if self._split and actor_update:
             self._open_split_groups(model, inputs)
         try:
             return super()._compute_loss(model, inputs)
@@ -247,7 +294,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             self._routes = None
 
     def _rows_routes(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        if not self._replay:
+        if not self._replay or self._routes is routing.UNRECORDED:
             return None
         routes = self._routes
         if routes is None or routes.shape[0] != input_ids.shape[0] or routes.shape[2] != input_ids.shape[1]:
@@ -267,39 +314,152 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             batch = shuffle_groups(batch, self.num_generations, offset=offset)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
+            self._index_generation(batch)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _index_generation(self, batch: dict) -> None:
+        """The buffered generation's groups and completion lengths, read on the host once, and how many
+        microbatches a run may merge ('auto': while a run's completion tokens fit in one microbatch's full
+        sequences, so Phase B holds no more activations than the stock trainer's microbatch)."""
+        self._generation = index_batch(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                                       torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                                       batch["completion_ids"].shape[1])
+        if not self._runs:
+            return
+        prompt, completion = batch["prompt_ids"].shape[1], max(batch["completion_ids"].shape[1], 1)
+        cap = (prompt + completion) // completion if self._merge_limit is None else self._merge_limit
+        if self.accelerator.num_processes > 1:  # every process runs the same schedule (DDP's forwards talk)
+            shared = torch.tensor(cap, device=self.accelerator.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+            cap = int(shared)
+        self._merge_cap = cap
+
+    def _microbatch_index(self, position: int) -> BatchIndex:
+        size = self.args.per_device_train_batch_size
+        return self._generation.rows_in(position * size, (position + 1) * size)
+
+    # -- runs: several microbatches, one forward and one backward ------------------------------------------------
+
+    def _run_loss(self, model, inputs):
+        """TRL's loss of this microbatch. The first microbatch of a run computes the log-probs of every row of the
+        run in one forward (a group's rows of all its microbatches in one wave), then TRL's loss of each microbatch
+        with that microbatch's own normaliser and metrics, and returns a loss whose value is its own and whose
+        gradient is the run's sum: one backward. The run's other microbatches return their losses, their gradients
+        already accumulated."""
+        if self._follow:
+            self._run_step = "followed"
+            if self._anchor is None:
+                self._anchor = torch.zeros((), device=self.accelerator.device, requires_grad=True)
+            return self._follow.pop(0) + 0 * self._anchor  # a backward that touches no parameter
+        position = self._step % self.args.steps_per_generation
+        run = self._buffered_inputs[position : position + self._run_length(position)]
+        if run[0] is not inputs:
+            raise PrefixFlowError("internal: the microbatch TRL trains is not the buffered one the run starts with.")
+        logps, entropies = self._run_logps(model, run, position)
+        losses = self._microbatch_losses(model, run, logps, entropies)
+        window_goes_on = self._window_position + len(run) < self.current_gradient_accumulation_steps
+        self._after_run = self._position_at(self._step + len(run)) if window_goes_on else None
+        self._run_step = "computed"
+        self._metrics["train"]["prefixflow/run_microbatches"].append(float(len(run)))
+        self._follow = [loss.detach() for loss in losses[1:]]
+        if not self._follow:
+            return losses[0]
+        rest = torch.stack(losses[1:]).sum()
+        return losses[0] + (rest - rest.detach())  # the value stays this microbatch's, exactly
+
+    def _run_length(self, position: int) -> int:
+        """Microbatches from buffer `position` that train as one run: within the accumulation window and the
+        buffered generation, up to the merge cap, and only while the run's last microbatch ends inside a group
+        (a process's groups start at multiples of num_generations): merging whole groups saves nothing."""
+        window_left = self.current_gradient_accumulation_steps - self._window_position
+        limit = min(window_left, self.args.steps_per_generation - position, self._merge_cap)
+        length = 1
+        while length < limit and (position + length) * self.args.per_device_train_batch_size % self.num_generations:
+            length += 1
+        return length
+
+    def _run_logps(self, model, run: list[dict], position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of every row of a run: each group's rows of all its microbatches in one wave."""
+        keys = ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")
+        prompt_ids, completion_ids, prompt_mask, completion_mask = (torch.cat([mb[k] for mb in run]) for k in keys)
+        routes = [_batch_routes(mb) for mb in run]
+        self._routes = torch.cat(routes) if isinstance(routes[0], torch.Tensor) else routes[0]
+        size = self.args.per_device_train_batch_size
+        index = self._generation.rows_in(position * size, (position + len(run)) * size)
+        try:
+            logps, entropies, _ = self._logps(model, torch.cat([prompt_ids, completion_ids], dim=1),
+                                              torch.cat([prompt_mask, completion_mask], dim=1),
+                                              completion_ids.shape[1], compute_entropy=True, index=index)
+        finally:
+            self._routes = None
+        return logps, entropies
+
+    def _microbatch_losses(self, model, run: list[dict], logps: torch.Tensor,
+                           entropies: torch.Tensor) -> list[torch.Tensor]:
+        """TRL's loss of each microbatch of a run, read from the run's log-probs. TRL's end-of-window work (the
+        adaptive entropy controller, the entropy_coef metric) runs with the window's last microbatch, as stock."""
+        sizes = [len(mb["completion_ids"]) for mb in run]
+        ends_window = self._window_position + len(run) == self.current_gradient_accumulation_steps
+        sync = self.accelerator.sync_gradients
+        losses = []
+        try:
+            for index, (mb, served) in enumerate(zip(run, zip(logps.split(sizes), entropies.split(sizes)))):
+                if len(run) > 1:
+                    _compat.set_sync_gradients(self.accelerator, ends_window and index == len(run) - 1)
+                self._served = served
+                losses.append(GRPOTrainer._compute_loss(self, model, mb))
+        finally:
+            _compat.set_sync_gradients(self.accelerator, sync)
+            self._served = None
+        return losses
 
     # -- log-probs through prefix groups ----------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
+        if self._served is not None:  # a microbatch of a run: its rows' values were computed with the run's
+            (logps, entropies), self._served = self._served, None
+            if logps.shape[0] != input_ids.shape[0]:
+                raise PrefixFlowError("internal: a run served log-probs of another microbatch.")
+            return logps, (entropies if compute_entropy else None), None
         if self._sp is not None:  # Ulysses: the SP group pools its rows and runs them sharded
             if any(extra.get(key) is not None for key in MULTIMODAL_KEYS) or compute_aux_loss:
                 raise PrefixFlowError("sequence parallelism supports text-only dense models; multimodal inputs and "
                                       "MoE auxiliary losses are not sharded yet.")
             return sequence_parallel.logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+        return self._logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                           compute_aux_loss, **extra)
+
+    def _logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+               compute_aux_loss=False, index: BatchIndex | None = None, **extra):
+        """Log-probs (entropies, load-balancing loss) of a batch: groups worth sharing as prefix groups, the other
+        rows on TRL's plain path. `index`: the batch's groups and lengths when the host knows them already."""
         routes = self._rows_routes(input_ids)
 
         def plain(rows):
+            ids, mask = _take(input_ids, rows), _take(attention_mask, rows)
             if routes is not None:
-                return routing.plain_logps(self, model, input_ids[rows], attention_mask[rows], logits_to_keep,
-                                           routes[rows], compute_entropy, compute_aux_loss)
+                return routing.plain_logps(self, model, ids, mask, logits_to_keep, _take(routes, rows),
+                                           compute_entropy, compute_aux_loss)
             return super(PrefixFlowGRPOTrainer, self)._get_per_token_logps_and_entropies(
-                model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **extra)
+                model, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal.plain_kwargs(extra, rows, input_ids.shape[0]))
 
         training = torch.is_grad_enabled()
-        reason = self._plain_path_reason(extra, training)
+        reason = self._plain_path_reason(extra, training, compute_aux_loss)
         if reason and training and self._split:
             raise PrefixFlowError(f"{reason} cannot train groups split across processes; " + _WHOLE_GROUPS)
         shared, fallback = [], []
         if not reason:
-            groups = find_groups(input_ids, attention_mask, logits_to_keep)
+            index = index or index_batch(input_ids, attention_mask, logits_to_keep)
+            if multimodal.present(extra):  # image rows: groups told apart by their images too
+                index, self._group_inputs, reason = multimodal.image_groups(self, index, input_ids, logits_to_keep,
+                                                                            extra, self._open)
+        if not reason:
             # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
             # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
             every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
-            shared, fallback = self._choose(groups, attention_mask[:, -logits_to_keep:], every_group=every_group,
-                                            split=self._splits if training else {})
+            shared, fallback = self._choose(index, every_group=every_group, split=self._splits if training else {})
             if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
                 reason = "router auxiliary loss with a one-token prompt"
         fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
@@ -309,7 +469,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                                  schedule)
         if reason:
             self._count_fallback(reason, input_ids.shape[0])
-            return plain(slice(None))
+            return plain(list(range(input_ids.shape[0])))
         aux_parts: list | None = [] if compute_aux_loss else None
         width = input_ids.shape[1] - logits_to_keep
         completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
@@ -321,44 +481,44 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             logps, entropies, _ = plain(fallback)
             pieces.append((fallback, logps, entropies))
         if shared:
-            waves = (completions, completion_mask, suffix_routes, compute_entropy, aux_parts)
+            waves = (completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
             if training:
                 pieces += self._training_waves(model, shared, routes, width, waves)
             else:
                 with GroupSession(model) as session:
                     pieces += [self._wave(self._open_group(session, g, routes, width, aux_parts is not None), g.rows,
                                           *waves) for g in shared]
-        self._log_groups(shared, completion_mask, training, time.perf_counter() - start)
-        order = torch.tensor([r for rows, _, _ in pieces for r in rows], device=input_ids.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order), device=order.device)
-        logps = torch.cat([p[1] for p in pieces])[inverse]
-        entropies = torch.cat([p[2] for p in pieces])[inverse] if compute_entropy else None
+        self._log_groups(shared, index.lengths if shared else [], training, time.perf_counter() - start)
+        order = [r for rows, _, _ in pieces for r in rows]
+        logps = _in_order(torch.cat([p[1] for p in pieces]), order)
+        entropies = _in_order(torch.cat([p[2] for p in pieces]), order) if compute_entropy else None
         aux = None
         if aux_parts is not None:
             config = unwrap(self.model).config.get_text_config()
             aux = moe.load_balancing_loss(aux_parts, config.num_experts, config.num_experts_per_tok)
         return logps, entropies, aux
 
-    def _plain_path_reason(self, extra: dict, training: bool) -> str | None:
+    def _plain_path_reason(self, extra: dict, training: bool, compute_aux_loss: bool) -> str | None:
         if any(extra.get(key) is not None for key in MULTIMODAL_KEYS):
             if self._replay:
                 raise PrefixFlowError("MoE routing replay with multimodal inputs is not supported; set "
                                       "prefixflow_routing_replay=False.")
-            return "multimodal inputs"
+            if self._image_refusal:
+                return self._image_refusal
         if not training and not self.prefixflow_scoring:
             return "prefixflow_scoring=False"
+        if compute_aux_loss and not self._known_routers:
+            return ("router auxiliary loss of a router whose logits PrefixFlow does not read (Qwen3-MoE and Mixtral "
+                    "routers; others: hf_prefixflow.moe.register_router)")
         return None
 
-    def _choose(self, groups: list[BatchGroup], completion_mask: torch.Tensor, every_group: bool = False,
-                split: dict | None = None):
-        """Groups worth sharing, and the rows that train on the plain path (the FLOP model's verdict, unless
-        `every_group`: then only one-token prompts, which leave nothing to share). Groups split across processes
-        (keys in `split`) are always shared: their other holders read this rank's K/V or send it gK/gV."""
-        lengths = completion_mask.sum(dim=1).tolist()
+    def _choose(self, index: BatchIndex, every_group: bool = False, split: dict | None = None):
+        """Groups worth sharing (in row order), and the rows that train on the plain path (the FLOP model's verdict,
+        unless `every_group`: then only one-token prompts, which leave nothing to share). Groups split across
+        processes (keys in `split`) are always shared: their other holders read this rank's K/V or send it gK/gV."""
         shared, fallback = [], []
-        for group in groups:
-            pays = self._shape.pays(len(group.prefix_ids), [int(lengths[r]) for r in group.rows],
+        for group in sorted(index.groups, key=lambda g: g.rows[0]):
+            pays = self._shape.pays(len(group.prefix_ids), [index.lengths[r] for r in group.rows],
                                     self.prefixflow_min_speedup)
             if (every_group or pays or group.key in (split or {})) and len(group.prefix_ids) > 1:
                 shared.append(group)
@@ -371,25 +531,25 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         prefix_routes = None if routes is None else routes[group.rows[0], :, group.position_offset : width].long()
         with self.accelerator.autocast():  # Phase A under the same autocast as the waves, as in TRL's forward
             return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes,
-                                collect_router_logits=collect_router_logits)
+                                collect_router_logits=collect_router_logits, **self._group_inputs.get(group.key, {}))
 
-    def _wave(self, group, rows, completions, completion_mask, suffix_routes, compute_entropy, aux_parts):
+    def _wave(self, group, rows, completions, completion_mask, suffix_routes, lengths, compute_entropy, aux_parts):
         """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
-        ids, mask = completions[rows], completion_mask[rows]
+        ids, mask = _take(completions, rows), _take(completion_mask, rows)
         labels = ids.masked_fill(mask == 0, -100)
-        routes = None if suffix_routes is None else suffix_routes[rows].transpose(0, 1).long()
+        routes = None if suffix_routes is None else _take(suffix_routes, rows).transpose(0, 1).long()
         if aux_parts is not None:
             return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy, aux_parts)
         with self.accelerator.autocast():
             if self.prefixflow_layout == "packed":
-                real = mask.sum(dim=1).clamp(min=1).tolist()
+                real = [max(lengths[r], 1) for r in rows]
                 suffixes = [row[:n] for row, n in zip(ids, real)]
                 per_suffix = None if routes is None else [routes[:, i, :n] for i, n in enumerate(real)]
                 out = group.packed(suffixes, routes=per_suffix, shift_labels=_pack(labels, real),
                                    fused_lm_head=True).raw
                 logps, entropy = _unpack(out.log_probs, real, ids.shape[1]), _unpack(out.entropy, real, ids.shape[1])
             else:
-                out = group(ids, attention_mask=mask, routes=routes, shift_labels=labels, fused_lm_head=True)
+                out = group.run_wave(_padded_wave(group, ids, mask, routes), shift_labels=labels, fused_lm_head=True)
                 logps, entropy = out.log_probs, out.entropy
         return rows, logps, (entropy if compute_entropy else None)
 
@@ -401,7 +561,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if routes is not None:
             routes = torch.cat([routes, routes[:, :, -1:]], dim=2)
         with self.accelerator.autocast():
-            wave = group.padded_wave(ids, mask, routes)
+            wave = _padded_wave(group, ids, mask, routes)
             wave.router_logits = {}
             out = group.run_wave(wave, shift_labels=labels, fused_lm_head=True)
         count = float(len(ids))
@@ -422,7 +582,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             group = split.group if split is not None else self._open.get(g.key)
             if group is None:
                 group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
-            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[1])]
+            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
         self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
 
@@ -442,16 +602,24 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             self.prefixflow_wave_size = int(size)
         return None
 
-    def _wave_rows(self, g: BatchGroup, completion_mask: torch.Tensor):
-        """A group's rows of this microbatch, wave by wave (any split is exact). TRL backpropagates the microbatch's
-        loss once, so its waves' graphs coexist: a smaller wave bounds one forward's working set, not their sum;
+    def _check_merge(self) -> int | None:
+        """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""
+        limit = self.prefixflow_merge_microbatches
+        if limit == "auto":
+            return None
+        if not str(limit).isdigit() or int(limit) < 1:
+            raise PrefixFlowError(f"prefixflow_merge_microbatches must be 'auto' or a positive integer, got {limit!r}.")
+        return int(limit)
+
+    def _wave_rows(self, g: BatchGroup, lengths: list[int], device: torch.device):
+        """A group's rows of this microbatch (or run), wave by wave (any split is exact). They backpropagate
+        together, so their waves' graphs coexist: a smaller wave bounds one forward's working set, not their sum;
         'auto' measures a wave's forward and sizes each wave to the memory free when it starts."""
         if self._auto_waves is None:
             size = self.prefixflow_wave_size or len(g.rows)
             yield from (g.rows[i : i + size] for i in range(0, len(g.rows), size))
             return
-        lengths = completion_mask[g.rows].sum(dim=1).tolist()
-        for rows in self._auto_waves.waves(lengths, len(g.prefix_ids), completion_mask.device):
+        for rows in self._auto_waves.waves([lengths[r] for r in g.rows], len(g.prefix_ids), device):
             yield [g.rows[i] for i in rows]
 
     def training_step(self, model, inputs, num_items_in_batch):
@@ -463,14 +631,19 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                     loss = super().training_step(model, inputs, num_items_in_batch)
             except BaseException as exc:
                 self._end_session(exc)
+                self._window_position = 0
                 raise
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
                 placement.reduce_gradients(list(self._splits.values()))  # every rank, in the order they opened
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
-            elif not self._deepspeed and self._sp is None:  # under ZeRO and SP, groups stay open until the boundary
-                self._close_groups_not_in_next_microbatch()
+            elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
+                self._close_groups_not_in(self._after_run)
+            elif self._run_step is None and not self._deepspeed and self._sp is None:
+                self._close_groups_not_in(self._position_at(self._step))  # under ZeRO and SP, groups stay open
             self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+        self._run_step = None
+        self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
         if self.accelerator.sync_gradients:
             data_parallel.all_reduce_gradients(model)
         return loss
@@ -480,7 +653,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         and open them, owner first (`placement.open_split`); they stay open until the accumulation boundary."""
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        local = {g.key: g for g in find_groups(ids, mask, inputs["completion_ids"].shape[1]) if len(g.prefix_ids) > 1}
+        groups = index_batch(ids, mask, inputs["completion_ids"].shape[1]).groups
+        local = {g.key: g for g in groups if len(g.prefix_ids) > 1}
         holders = placement.holders(local)
         spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
         for key, ranks in spread.items():
@@ -531,29 +705,26 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         with fsdp.reducing(self.model):
             return session.close([last])
 
-    def _close_groups_not_in_next_microbatch(self) -> None:
+    def _close_groups_not_in(self, position: int | None) -> None:
+        """Phase C for the open groups that the buffered microbatch at `position` (None: none) does not read."""
         if self._session is None:
             return
-        upcoming = self._next_microbatch()
-        keep = set()
-        if upcoming is not None:
-            ids = torch.cat([upcoming["prompt_ids"], upcoming["completion_ids"]], dim=1)
-            mask = torch.cat([upcoming["prompt_mask"], upcoming["completion_mask"]], dim=1)
-            keep = {g.key for g in find_groups(ids, mask, upcoming["completion_ids"].shape[1])}
-        closing = [key for key in self._open if key not in keep]
+        keep = set() if position is None else {g.key for g in self._microbatch_index(position).groups}
+        closing = [key for key in self._open if key[:2] not in keep]  # an image group's key: prompt key + number
         fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
         self._session.close([self._open.pop(key) for key in closing])
 
-    def _next_microbatch(self) -> dict | None:
-        """The buffered microbatch the next step trains on, unless a new generation comes first."""
+    def _position_at(self, step: int) -> int | None:
+        """The buffer position TRL's microbatch `step` trains, unless a new generation comes first (None)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._buffered_inputs is None or self._step % generate_every == 0:
+        if self._buffered_inputs is None or step % generate_every == 0:
             return None
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return step % self.args.steps_per_generation
 
     def _end_session(self, exc: BaseException | None = None) -> None:
         session, self._session = self._session, None
         self._open, self._splits = {}, {}
+        self._follow, self._served, self._run_step = [], None, None
         if session is not None:
             session.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
 
@@ -563,14 +734,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
         if not self._fallbacks[reason]:
-            logger.warning("PrefixFlow: rows take the plain GRPO path (%s); counted in prefixflow/fallback_rows.", reason)
+            logger.warning("PrefixFlow: rows take the plain GRPO path (%s); counted in prefixflow/fallback_rows.",
+                           reason)
         self._fallbacks[reason] += rows
 
-    def _log_groups(self, groups: list[BatchGroup], completion_mask: torch.Tensor, training: bool, seconds: float):
+    def _log_groups(self, groups: list[BatchGroup], lengths: list[int], training: bool, seconds: float):
         if not groups:
             return
         mode = "train" if self.model.training else "eval"
-        lengths = completion_mask.sum(dim=1).tolist()
         prefix_tokens = sum(len(g.prefix_ids) * len(g.rows) for g in groups)
         suffix_tokens = sum(lengths[r] for g in groups for r in g.rows)
         full = sum(self._shape.full_sequence(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
@@ -597,3 +768,35 @@ def _unpack(values: torch.Tensor | None, lengths: list[int], width: int) -> torc
         return None
     rows = values[0].split(lengths)
     return torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+
+
+def _batch_routes(inputs: dict) -> torch.Tensor | str | None:
+    """A microbatch's recorded routes: `routing.UNRECORDED` if it was generated without recording, None if absent."""
+    if routing.BATCH_KEY in inputs and inputs[routing.BATCH_KEY] is None:
+        return routing.UNRECORDED
+    return inputs.get(routing.BATCH_KEY)
+
+
+def _take(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`tensor[rows]` without waiting for the device: a view of consecutive rows, else an index sent from pinned
+    memory (a list index would be copied synchronously)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return tensor[rows[0] : rows[0] + len(rows)]
+    index = torch.tensor(rows, pin_memory=tensor.is_cuda).to(tensor.device, non_blocking=True)
+    return tensor.index_select(0, index)
+
+
+def _in_order(values: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """`values`, whose rows are the batch rows `order` (a permutation), back in batch order."""
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return _take(values, inverse)
+
+
+def _padded_wave(group, ids: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor | None):
+    """`group.padded_wave(ids, mask, routes)` for a mask the host has checked right-padded (`index_batch`): the
+    device-side check, one synchronisation per wave, is skipped."""
+    wave = group.padded_wave(ids, None, routes)
+    wave.segment_ids = padded_segments(mask)
+    return wave

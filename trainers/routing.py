@@ -2,7 +2,9 @@
 
 Routes ride in the batch as `prefixflow_routes`, an int16 tensor `[B, layers, prompt width + completion width, k]`
 laid out like `cat(prompt_ids, completion_ids)`, so TRL's shuffles and splits carry them with their rows. Every
-completion of a prompt replays the prompt routes of the group's first rollout: one prefix mask per group.
+completion of a prompt replays the prompt routes of the group's first rollout: one prefix mask per group. Tokens
+generation did not route here (tool results and the turns after them) carry -1 and route afresh; a batch generated
+elsewhere (custom rollouts, vLLM, continuous batching) carries None: all its rows route afresh, as in the stock trainer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from hf_prefixflow import PrefixFlowError
 from hf_prefixflow.moe import ROUTES_KWARG, RoutingRecorder
 
 BATCH_KEY = "prefixflow_routes"
+UNRECORDED = "unrecorded"  # the trainer's routes while a batch generated without recording is scored or trained
 
 
 def assemble(recorder: RoutingRecorder, rows: int, prompt_width: int, completion_width: int, num_layers: int,
@@ -30,6 +33,18 @@ def assemble(recorder: RoutingRecorder, rows: int, prompt_width: int, completion
     leaders = torch.arange(rows, device=routes.device) // group_size * group_size
     routes[:, :, :prompt_width] = routes[leaders, :, :prompt_width]
     return routes.to(torch.int16)
+
+
+def first_turn_only(routes: torch.Tensor, prompt_width: int, first_lengths: list[int], width: int) -> torch.Tensor:
+    """Routes of rows that went on after tool calls: the recording covers each row's prompt and first turn; every
+    later token (tool results, the turns after them) gets -1. `width`: the batch's final completion width."""
+    rows, layers, _, top_k = routes.shape
+    out = routes.new_full((rows, layers, prompt_width + width, top_k), -1)
+    common = min(routes.shape[2], out.shape[2])
+    out[:, :, :common] = routes[:, :, :common]
+    first = torch.tensor(first_lengths, device=routes.device)
+    later = torch.arange(out.shape[2], device=routes.device)[None] >= prompt_width + first[:, None]
+    return out.masked_fill_(later[:, None, :, None], -1)
 
 
 def plain_logps(trainer, model, input_ids, attention_mask, logits_to_keep, routes, compute_entropy, compute_aux_loss):

@@ -20,7 +20,7 @@ from accelerate.utils import DistributedType
 from hf_prefixflow import GroupSession, PrefixFlowError
 from hf_prefixflow.distributed import ulysses
 
-from .grouping import find_groups
+from .grouping import index_batch
 
 PoolRows = list[tuple[torch.Tensor, torch.Tensor, int]]
 
@@ -112,7 +112,7 @@ def _rank_rows(trainer, session: GroupSession, model, rank: int, ids: torch.Tens
     """Log-probs (and entropies) `[B, keep]` of one SP rank's rows, every group sharded over the SP group."""
     completions, completion_mask = ids[:, -keep:], mask[:, -keep:]
     rows, logp_parts, entropy_parts = [], [], []
-    for g in find_groups(ids, mask, keep):
+    for g in index_batch(ids, mask, keep).groups:
         key = (rank, g.key)
         group = trainer._open.get(key) if training else None
         if group is None:
