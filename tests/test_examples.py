@@ -40,6 +40,16 @@ def test_grpo_long_prefix_trains_both_trainers_identically(tmp_path):
         assert p["prefixflow/prefix_ratio"] > 0.8 and p["actor_update_s"] > 0
 
 
+def test_trainer_step_benchmark_runs_on_the_cpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import trainer_step
+
+    rows = trainer_step.main(["--tiny", "--batches", "2", "--steps", "1", "--out", str(tmp_path)])
+    assert len(rows) == 1 and rows[0]["stock_s"] > 0 and rows[0]["prefixflow_s"] > 0
+    assert rows[0]["run_microbatches"] == 2 and rows[0]["flop_ratio"] > 1 and rows[0]["amdahl_cap"] > 1
+    assert "| tiny | 152 / 8.0 | 4 | 2 | on | fixed |" in (tmp_path / "trainer_step.md").read_text()
+
+
 def test_walkthrough_notebook_executes(tmp_path):
     notebook = nbformat.read(ROOT / "notebooks" / "prefixflow_grpo_walkthrough.ipynb", as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3",

@@ -1,0 +1,426 @@
+"""The speed a TRL user sees: whole training steps of GRPOTrainer and PrefixFlowGRPOTrainer, side by side.
+
+    python benchmarks/trainer_step.py --models qwen3-1.7b --ratios 0.95 --batches 4,16 --out $OUT
+    python benchmarks/trainer_step.py --models qwen3-1.7b --ratios 0.95 --batches 4 --profile --out $OUT
+    python benchmarks/trainer_step.py --tiny --out /tmp/trainer_step   # CPU, a tiny model, under a minute
+
+Both trainers run in one process with a plain `GRPOConfig` (TRL's defaults but the grid's settings: bf16, beta 0,
+one group of `--n` completions per optimizer step), on the same random-init model (shapes from `speed.py`, built
+again with the same seed for each trainer), the same prompts of exactly P tokens, the same seed and rewards. A
+step is timed from the trainer's `on_step_begin` to its `on_step_end` with `torch.cuda.synchronize()` on both sides
+(`StepTimer`): generation (or fixed completions), TRL's scoring and bookkeeping, every microbatch, Phase C and the
+optimizer step. Each row: the median of `--steps` steps after `--warmup`.
+
+The grid is the product of `--models`, `--ratios` (P / (P + S) with S = `--completion`), `--batches`
+(per_device_train_batch_size; gradient accumulation makes one optimizer step of each generation batch),
+`--checkpointing` (on, off) and `--generation` ("fixed": `_generate_single_turn` returns fixed random completions
+of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.flops`' FLOP ratio
+of the step's groups (Phase C included), `amdahl_cap` the speedup if the step's non-generation part took its
+FLOP-ideal time (stock generation time measured around `_generate_single_turn`). Rows go to `trainer_step.json` and
+`.md` in `--out` after each one. `--profile` runs the grid's first point once per trainer under the torch profiler
+instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
+time the GPU was busy within it (the union of kernels, copies and memsets); a low share is host-bound time.
+`--prefixflow-config KEY=VALUE,...` sets `PrefixFlowGRPOConfig` fields for the PrefixFlow trainer only, e.g.
+`prefixflow_merge_microbatches=1` (a suffix wave per TRL microbatch) or `prefixflow_suffix_checkpointing=false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import gc
+import itertools
+import json
+import math
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import PrinterCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, synthetic
+from hf_prefixflow.flops import ModelShape
+
+TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+
+
+@dataclass(frozen=True)
+class Point:
+    model: str
+    ratio: float
+    batch: int
+    checkpointing: bool
+    generation: str
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepTimer(TrainerCallback):
+    """Whole optimizer steps, the device synchronised on both sides."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        sync()
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sync()
+        self.times.append(time.perf_counter() - self._start)
+
+
+def build_model(name: str, tiny: bool, tokenizer) -> torch.nn.Module:
+    if tiny:
+        model = synthetic.make_model(tokenizer, hidden=64, layers=2)
+    else:
+        from speed import build  # benchmarks/speed.py: the GPU shapes, bf16 on CUDA, SDPA
+
+        model = build(name, prefixflow=False)
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return model
+
+
+def prompts(count: int, length: int) -> Dataset:
+    """`count` prompts of exactly `length` tokens of the synthetic word-level vocabulary, all different."""
+    rng = random.Random(0)
+    words = synthetic.TEMPLATE + synthetic.NUMBERS
+    return Dataset.from_dict({"prompt": [" ".join(rng.choice(words) for _ in range(length)) for _ in range(count)]})
+
+
+def fixed_completions(trainer, length: int, vocab: int) -> None:
+    """Generation replaced by random completions of `length` tokens (no EOS), the same for every trainer."""
+    rng = random.Random(0)
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [[rng.randrange(3, vocab) for _ in range(length)] for _ in prompt_ids], None
+
+    trainer._generate_single_turn = generate
+
+
+def timed_generation(trainer) -> list[float]:
+    """Seconds spent in `_generate_single_turn`, one entry per call."""
+    seconds, generate = [], trainer._generate_single_turn
+
+    def timed(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        out = generate(*args, **kwargs)
+        sync()
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate_single_turn = timed
+    return seconds
+
+
+def make_trainer(name: str, point: Point, args, steps: int):
+    tokenizer = synthetic.make_tokenizer()
+    prefix = prefix_length(point.ratio, args.completion)
+    accumulation = args.n // math.gcd(args.n, point.batch)  # one generation batch per optimizer step
+    groups = point.batch * accumulation // args.n
+    extra = args.prefixflow_config if name == "prefixflow" else {}
+    config = (PrefixFlowGRPOConfig if extra else GRPOConfig)(
+        **extra, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=point.batch,
+        gradient_accumulation_steps=accumulation, num_generations=args.n, max_completion_length=args.completion,
+        gradient_checkpointing=point.checkpointing, bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(), learning_rate=1e-6, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, seed=0)
+    rewards = random.Random(1)
+    trainer = TRAINERS[name](
+        model=build_model(point.model, args.tiny, tokenizer), args=config, processing_class=tokenizer,
+        reward_funcs=lambda completions, **kwargs: [rewards.random() for _ in completions],
+        train_dataset=prompts(groups * steps + 1, prefix))
+    trainer.remove_callback(PrinterCallback)  # the logs are in the rows
+    if point.generation == "fixed":
+        fixed_completions(trainer, args.completion, len(tokenizer))
+    return trainer
+
+
+def prefix_length(ratio: float, completion: int) -> int:
+    return round(completion * ratio / (1 - ratio))
+
+
+def run(name: str, point: Point, args) -> dict:
+    """One trainer at one point: step times, generation times, peak memory, TRL's logged metrics."""
+    trainer = make_trainer(name, point, args, args.warmup + args.steps)
+    timer, generation = StepTimer(), timed_generation(trainer)
+    trainer.add_callback(timer)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    result = {"steps": timer.times[args.warmup:], "generation": generation[args.warmup:],
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+              "completion_mean": statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
+              "run_microbatches": max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
+              "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs),
+              "config": trainer.model.config}
+    release(trainer)
+    return result
+
+
+def release(trainer) -> None:
+    """Drop every reference to the model, its gradients and the optimizer state before the next trainer builds."""
+    trainer.accelerator.free_memory()
+    for holder in (trainer, trainer.callback_handler):
+        holder.model = holder.optimizer = holder.lr_scheduler = None
+    trainer.model_wrapped = trainer._buffered_inputs = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(point: Point, args, commit: str) -> dict:
+    runs = {name: run(name, point, args) for name in args.trainers}
+    stock, pf = runs.get("stock"), runs.get("prefixflow")
+    any_run = stock or pf
+    prefix, completion = prefix_length(point.ratio, args.completion), any_run["completion_mean"]
+    accumulation = args.n // math.gcd(args.n, point.batch)
+    groups = point.batch * accumulation // args.n
+    shape = ModelShape.from_config(any_run["config"])
+    flop_ratio = shape.full_sequence(prefix, [completion] * args.n) / shape.prefixflow(prefix, [completion] * args.n)
+    row = {"model": point.model, "P": prefix, "S": args.completion,
+           "S_mean": round(completion, 1), "N": args.n, "batch": point.batch, "groups_per_step": groups,
+           "checkpointing": point.checkpointing, "generation": point.generation}
+    for name, result in runs.items():
+        row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
+        row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
+        row[f"{name}_generation_s"] = round(statistics.median(result["generation"]), 4)
+        row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
+    row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if stock and pf else None
+    row["flop_ratio"] = round(flop_ratio, 3)
+    if stock:
+        generation = row["stock_generation_s"]
+        row["amdahl_cap"] = round(row["stock_s"] / (generation + (row["stock_s"] - generation) / flop_ratio), 3)
+    if pf:
+        row["run_microbatches"], row["fallback_rows"] = pf["run_microbatches"], pf["fallback_rows"]
+    row.update(prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
+               gpu=device_name(), torch=torch.__version__, transformers=transformers.__version__, commit=commit,
+               date=datetime.date.today().isoformat())
+    return row
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=pathlib.Path(__file__).parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write(rows: list[dict], out: pathlib.Path, tag: str, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
+    first = rows[0]
+    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
+             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+             "| model | P / S | N | batch | checkpointing | generation | stock s | PrefixFlow s | speedup | FLOP ratio "
+             "| Amdahl cap | microbatches per run | peak GiB stock / PF |", "| --- " * 13 + "|"]
+    for r in rows:
+        peaks = f"{r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')}"
+        lines.append(f"| {r['model']} | {r['P']} / {r['S_mean']} | {r['N']} | {r['batch']} | "
+                     f"{'on' if r['checkpointing'] else 'off'} | {r['generation']} | {r.get('stock_s', '-')} | "
+                     f"{r.get('prefixflow_s', '-')} | {r['speedup'] or '-'}x | {r['flop_ratio']}x | "
+                     f"{r.get('amdahl_cap', '-')}x | {r.get('run_microbatches', '-')} | {peaks} |")
+    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+
+
+# -- --profile: where one step's time goes -----------------------------------------------------------------------
+
+PHASES = {"_generate_single_turn": "generation", "_generate_and_score_completions": "generate_and_score",
+          "training_step": "microbatch", "compute_loss": "forward_and_loss", "_end_boundary": "phase_c",
+          "_close_groups_not_in": "phase_c"}
+
+
+class ProfiledStep(TrainerCallback):
+    """Profiles the step after `skip` steps, with `step` and `optimizer` ranges."""
+
+    def __init__(self, skip: int, trace: pathlib.Path):
+        self.skip, self.trace, self.profiler, self.ranges = skip, trace, None, {}
+
+    def _enter(self, name: str):
+        if self.profiler is not None:
+            self.ranges[name] = torch.profiler.record_function(name)
+            self.ranges[name].__enter__()
+
+    def _exit(self, name: str):
+        if name in self.ranges:
+            self.ranges.pop(name).__exit__(None, None, None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.skip:
+            sync()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self._enter("step")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._enter("optimizer")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._exit("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:
+            sync()
+            self._exit("step")
+            self.profiler.__exit__(None, None, None)
+            self.profiler.export_chrome_trace(str(self.trace))
+            self.profiler = None
+
+
+def annotate(trainer) -> None:
+    """Wrap the methods named in PHASES in record_function ranges."""
+    for method, phase in PHASES.items():
+        if not hasattr(trainer, method):
+            continue
+        inner = getattr(trainer, method)
+
+        def wrapped(*args, _inner=inner, _phase=phase, **kwargs):
+            with torch.profiler.record_function(_phase):
+                return _inner(*args, **kwargs)
+
+        setattr(trainer, method, wrapped)
+
+
+def busy_time(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Length of the union of `intervals` clipped to [start, end]."""
+    total, reach = 0.0, start
+    for a, b in intervals:
+        if a >= end:
+            break
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
+def summarise(trace: pathlib.Path) -> list[dict]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    device = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    ranges: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("name") in set(PHASES.values()) | {"step", "optimizer"}:
+            ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    rows = []
+    for name, spans in ranges.items():
+        wall = sum(b - a for a, b in spans)
+        busy = sum(busy_time(device, a, b) for a, b in spans)
+        rows.append({"phase": name, "calls": len(spans), "wall_ms": round(wall / 1e3, 2),
+                     "gpu_busy_ms": round(busy / 1e3, 2) if device else None,
+                     "gpu_busy_share": round(busy / wall, 3) if device and wall else None})
+    order = ["step", "generate_and_score", "generation", "microbatch", "forward_and_loss", "phase_c", "optimizer"]
+    return sorted(rows, key=lambda r: order.index(r["phase"]))
+
+
+def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
+    rows = []
+    for name in args.trainers:
+        trainer = make_trainer(name, point, args, args.warmup + 1)
+        annotate(trainer)
+        trace = pathlib.Path(tempfile.mkdtemp()) / f"{name}.json"
+        trainer.add_callback(ProfiledStep(args.warmup, trace))
+        trainer.train()
+        release(trainer)
+        rows += [{"trainer": name, **r} for r in summarise(trace)]
+    meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
+            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "commit": commit, "date": datetime.date.today().isoformat()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows}, indent=1))
+    lines = [f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, N={meta['N']}) on "
+             f"{meta['gpu']}, commit {commit}. Ranges nest: microbatch holds forward_and_loss and, for PrefixFlow, "
+             "phase_c; the profiler's own overhead inflates host-bound ranges.", "",
+             "| trainer | phase | calls | wall ms | GPU busy ms | GPU busy share |", "| --- " * 6 + "|"]
+    lines += [f"| {r['trainer']} | {r['phase']} | {r['calls']} | {r['wall_ms']} | {r['gpu_busy_ms']} | "
+              f"{r['gpu_busy_share']} |" for r in rows]
+    (out / "trainer_step_profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def options(text: str) -> dict:
+    """`KEY=VALUE,...` with VALUE as a Python literal where it parses as one (true/false as booleans)."""
+    parsed = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=", 1)
+        value = {"true": "True", "false": "False"}.get(value.lower(), value)
+        try:
+            parsed[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed[key] = value
+    return parsed
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="qwen3-1.7b", help="comma-separated shapes of benchmarks/speed.py")
+    parser.add_argument("--ratios", default="0.95", help="prefix ratios P / (P + S), comma-separated")
+    parser.add_argument("--batches", default="4,16", help="per_device_train_batch_size values, comma-separated")
+    parser.add_argument("--checkpointing", default="on", help="on, off or on,off")
+    parser.add_argument("--generation", default="fixed", help="fixed, generate or fixed,generate")
+    parser.add_argument("--completion", type=int, default=256, help="completion tokens S (max_completion_length)")
+    parser.add_argument("--n", type=int, default=16, help="num_generations")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--trainers", default="stock,prefixflow")
+    parser.add_argument("--prefixflow-config", default="", type=options,
+                        help="KEY=VALUE,... PrefixFlowGRPOConfig fields for the PrefixFlow trainer only, e.g. "
+                             "prefixflow_merge_microbatches=1 or torch_compile=true (default: a plain GRPOConfig)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no grid point after this many seconds")
+    parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
+    parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
+    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today().isoformat()}_trainer_step")
+    parser.add_argument("--tag", default="trainer_step")
+    args = parser.parse_args(argv)
+    if args.tiny:  # a few seconds a point on a laptop CPU
+        args.completion, args.n, args.steps = min(args.completion, 8), min(args.n, 4), min(args.steps, 2)
+        args.models = "tiny"
+        args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= args.n) or "2"
+    args.trainers = args.trainers.split(",")
+    commit, out = args.commit or git_commit(), pathlib.Path(args.out)
+    points = [Point(m, float(r), int(b), c == "on", g) for m, r, b, c, g in itertools.product(
+        args.models.split(","), args.ratios.split(","), args.batches.split(","), args.checkpointing.split(","),
+        args.generation.split(","))]
+    if args.profile:
+        profile(points[0], args, out, commit)
+        return []
+    command = "python benchmarks/trainer_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    start, rows = time.perf_counter(), []
+    for point in points:
+        if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
+            print(f"deadline: {len(points) - len(rows)} points not run", flush=True)
+            break
+        rows.append(measure(point, args, commit))
+        print(json.dumps(rows[-1]), flush=True)
+        write(rows, out, args.tag, command)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
