@@ -2,16 +2,28 @@
 equal full-sequence training, per family; what is refused; and broken schedules that the checks catch."""
 
 import copy
+import pathlib
+import random
+import sys
 
 import pytest
 import torch
 import transformers
+import trl.trainer.grpo_trainer as trl_grpo
 from peft import LoraConfig, get_peft_model
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
 
 import hf_prefixflow
+from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic_vision
 from hf_prefixflow import multimodal as mm
 from hf_prefixflow.errors import PrefixFlowError
+from trainers import grpo as pf_grpo
+from trainers.grouping import check_group_prompts
 from equivalence import assert_rel_close, assert_same_gradients, gradients, random_plan, token_loss
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import grpo_vision  # noqa: E402
 
 FAMILIES = {
     "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -205,3 +217,95 @@ def test_phase_c_stopping_at_the_decoder_is_caught(probed_qwen):
 
     with pytest.raises(AssertionError, match="different parameters got gradients"):
         train_side_by_side(build("qwen2_vl"), images=(1,), broken=detach_image_features)
+
+
+# ---- the trainer: PrefixFlowGRPOTrainer against TRL's GRPOTrainer on image prompts ---------------------------
+
+class GradientRecorder(TrainerCallback):
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+
+def frozen_rollouts(trainer, processor, max_length: int = 5) -> None:
+    """Completions that depend only on the prompt and the call count: both trainers train the same rollouts."""
+    calls, words = [0], range(len(synthetic_vision.SPECIALS), len(processor.tokenizer))
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        calls[0] += 1
+        out = []
+        for index, prompt in enumerate(prompt_ids):
+            rng = random.Random(hash((tuple(prompt), index, calls[0])) & 0xFFFFFFFF)
+            out.append([rng.choice(words) for _ in range(rng.randint(1, max_length))])
+        return out, None
+
+    trainer._generate_single_turn = generate
+
+
+def train_trainer(trainer_cls, model, processor, dataset, out, **overrides):
+    options = dict(output_dir=str(out / trainer_cls.__name__), per_device_train_batch_size=8, num_generations=4,
+                   max_completion_length=5, max_steps=2, report_to="none", logging_steps=1, use_cpu=True,
+                   save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3, bf16=False, max_grad_norm=0.0,
+                   beta=0.0)
+    options.update(overrides)
+    trainer = trainer_cls(model=model, reward_funcs=synthetic_vision.shape_reward, args=GRPOConfig(**options),
+                          train_dataset=dataset, processing_class=processor)
+    frozen_rollouts(trainer, processor)
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return recorder.steps, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, \
+        [log for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.fixture
+def rows_in_sampler_order(monkeypatch):
+    """Both trainers keep rows in sampler order, so their microbatches hold the same rows."""
+    monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None, offset=0:
+                        (check_group_prompts(batch, size, offset), batch)[1])
+
+
+def test_trainer_shares_image_groups_like_grpo_trainer(tmp_path, rows_in_sampler_order):
+    """Groups spanning two microbatches (one Phase A, one Phase C) and old-policy scoring passes (no grad), each
+    prompt with two images; the example's test covers whole groups per microbatch."""
+    geometry = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_iterations": 2,
+                "max_steps": 1}
+    processor = synthetic_vision.make_processor()
+    model = synthetic_vision.make_model(processor, hidden=32)
+    dataset = synthetic_vision.make_dataset(rows=8, images=2)
+    stock = train_trainer(GRPOTrainer, copy.deepcopy(model), processor, dataset, tmp_path, **geometry)
+    ours = train_trainer(PrefixFlowGRPOTrainer, copy.deepcopy(model), processor, dataset, tmp_path, **geometry)
+    for expected, actual in zip(stock[0], ours[0]):
+        assert expected.keys() == actual.keys()
+        assert any(n.startswith("model.visual") for n in actual), "the vision tower got no gradient"
+        for name in expected:
+            assert_rel_close(actual[name], expected[name], f"grad {name}", rtol=2e-4)
+    for name in stock[1]:
+        torch.testing.assert_close(ours[1][name], stock[1][name], rtol=0, atol=1e-5, msg=name)
+    for expected, actual in zip(stock[2], ours[2]):
+        assert actual["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-5)
+        assert actual.get("reward") == expected.get("reward")
+        assert actual["prefixflow/groups"] > 0 and "prefixflow/fallback_rows" not in actual
+    assert any(log.get("prefixflow/scoring_groups", 0) > 0 for log in ours[2])  # the old policy's log-probs too
+
+
+def test_a_refused_model_trains_image_rows_on_the_plain_path(tmp_path, rows_in_sampler_order, monkeypatch, caplog):
+    monkeypatch.setattr(mm, "probe", lambda model: ("no image probe (test)", None))
+    processor = synthetic_vision.make_processor()
+    model = synthetic_vision.make_model(processor, hidden=32)
+    with pytest.warns(UserWarning, match="no image probe"):
+        _, _, logs = train_trainer(PrefixFlowGRPOTrainer, model, processor, synthetic_vision.make_dataset(8), tmp_path)
+    assert [log["prefixflow/fallback_rows"] for log in logs] == [8, 8]
+    warned = [r for r in caplog.records if "no image probe (test)" in r.getMessage()]
+    assert len(warned) == 1 and "prefixflow/fallback_rows" in warned[0].getMessage()
+
+
+def test_the_vision_example_trains_both_trainers_identically(tmp_path):
+    results = grpo_vision.main(["--steps", "2", "--hidden", "32", "--num-generations", "4", "--batch-size", "4",
+                                "--out", str(tmp_path)])
+    for stock, ours in zip(results["stock"], results["prefixflow"]):
+        assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-4, abs=1e-5) and ours["reward"] == stock["reward"]
+        assert ours["prefixflow/groups"] > 0 and "prefixflow/fallback_rows" not in ours
