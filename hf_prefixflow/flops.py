@@ -13,6 +13,10 @@ from dataclasses import dataclass
 # The cost model: a group is shared when its FLOP bound reaches this. On an H200 PrefixFlow realises 93-100% of the
 # bound (benchmarks/results/latest.md), so the gain is about 0.95x the bound and below ~1.1 it would not pay.
 MIN_SPEEDUP = 1.1
+# On a GPU every forward and backward pass costs at least about this many tokens' work however few it carries: the
+# launches and Python of each checkpointed layer, and TRL's per-microbatch bookkeeping. On an H200 at the Qwen3-1.7B
+# shape a TRL microbatch of 2,048 tokens took as long as one of 8,192 (benchmarks/results/2026-12-02_trainer_step).
+PASS_FLOOR_TOKENS = 7500
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,18 @@ class ModelShape:
         """The FLOP bound on the speedup of one group."""
         return self.full_sequence(prefix, suffixes) / self.prefixflow(prefix, suffixes)
 
-    def pays(self, prefix: int, suffixes: list[int], min_speedup: float = MIN_SPEEDUP) -> bool:
+    def step_bound(self, prefix: int, suffixes: list[int], rows_per_pass: int | None = None,
+                   floor_tokens: int = 0) -> float:
+        """The speedup bound when every pass costs at least `floor_tokens` tokens' work: the plain path runs the
+        group's rows in passes of `rows_per_pass` (default: one pass), PrefixFlow its prefix in one pass (Phase A and
+        C) and its suffixes in one. With `floor_tokens=0` this is `bound`."""
+        floor = floor_tokens * self._tokens(1, 0)
+        per = rows_per_pass or len(suffixes)
+        plain = sum(max(floor, self.full_sequence(prefix, suffixes[i:i + per])) for i in range(0, len(suffixes), per))
+        waves = sum(self._tokens(s, prefix) + self._head(s) for s in suffixes)
+        return plain / (max(floor, self._tokens(prefix, 0)) + max(floor, waves))
+
+    def pays(self, prefix: int, suffixes: list[int], min_speedup: float = MIN_SPEEDUP, rows_per_pass: int | None = None,
+             floor_tokens: int = 0) -> bool:
         """The cost model's verdict: share this group's prefix, or train its rows on the plain path."""
-        return self.bound(prefix, suffixes) >= min_speedup
+        return self.step_bound(prefix, suffixes, rows_per_pass, floor_tokens) >= min_speedup

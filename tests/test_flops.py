@@ -31,3 +31,16 @@ def test_moe_counts_active_experts_and_one_suffix_saves_nothing():
     assert shape.layer_weights == 2 * 64 * 64 + 2 * 64 * 32 + 2 * 3 * 64 * 32
     assert shape.bound(100, [20]) == pytest.approx(1.0)
     assert shape.full_sequence(100, [20, 30], train=False) * 3 == pytest.approx(shape.full_sequence(100, [20, 30]))
+
+
+def test_the_pass_floor_sends_short_prompts_to_the_plain_path():
+    """The H200 trainer steps (Qwen3-1.7B, S=256, N=16): P=256 in one microbatch of 16 ran 0.52x shared, so the cost
+    model with the GPU's pass floor must refuse it, and keep sharing P=256 in microbatches of 4 (1.27x) and P=4864."""
+    from hf_prefixflow.flops import PASS_FLOOR_TOKENS
+
+    shape = ModelShape(**QWEN3_1_7B)
+    assert shape.step_bound(256, [256] * 16) == pytest.approx(shape.bound(256, [256] * 16))  # no floor: the bound
+    assert not shape.pays(256, [256] * 16, rows_per_pass=16, floor_tokens=PASS_FLOOR_TOKENS)
+    assert shape.pays(256, [256] * 16, rows_per_pass=4, floor_tokens=PASS_FLOOR_TOKENS)
+    assert shape.pays(4864, [256] * 16, rows_per_pass=16, floor_tokens=PASS_FLOOR_TOKENS)
+    assert shape.pays(256, [256] * 16, rows_per_pass=16)  # on a CPU (no floor) the FLOP bound decides

@@ -30,7 +30,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, _compat, apply_prefixflow, moe
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
-from hf_prefixflow.flops import MIN_SPEEDUP, ModelShape
+from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.model import unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
@@ -519,7 +519,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         shared, fallback = [], []
         for group in sorted(index.groups, key=lambda g: g.rows[0]):
             pays = self._shape.pays(len(group.prefix_ids), [index.lengths[r] for r in group.rows],
-                                    self.prefixflow_min_speedup)
+                                    self.prefixflow_min_speedup, self.args.per_device_train_batch_size,
+                                    PASS_FLOOR_TOKENS if self.accelerator.device.type == "cuda" else 0)
             if (every_group or pays or group.key in (split or {})) and len(group.prefix_ids) > 1:
                 shared.append(group)
             else:
