@@ -170,10 +170,11 @@ def test_groups_split_unevenly_across_microbatches(tmp_path, batch, groups, accu
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_steps_per_generation_and_num_iterations(tmp_path, geometry):
     """Old-policy log-probs are computed here (scoring pass, forward only): they reuse the prefix too."""
-    size = GEOMETRIES[geometry]["per_device_train_batch_size"] // 2
-    stock, pf = both(tmp_path, per_device_train_batch_size=size, gradient_accumulation_steps=8 // size // 2,
+    size = GEOMETRIES[geometry]["per_device_train_batch_size"] // 2  # 4: a group per microbatch; 1: four per group
+    stock, pf = both(tmp_path, per_device_train_batch_size=size, gradient_accumulation_steps=8 // size,
                      steps_per_generation=16 // size, num_iterations=2, steps=4)
     assert_aligned(stock, pf)
+    assert max(run_lengths(pf[2])) > 1 if size == 1 else run_lengths(pf[2]) == {1.0}
     assert any(log.get("prefixflow/scoring_groups") for log in pf[2])
 
 
