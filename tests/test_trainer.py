@@ -167,6 +167,15 @@ def test_groups_split_unevenly_across_microbatches(tmp_path, batch, groups, accu
     assert run_lengths(pf[2]) == ({float(accumulation)} if merge == "auto" else {1.0})
 
 
+def test_a_generation_inside_an_accumulation_window(tmp_path):
+    """steps_per_generation below gradient_accumulation_steps: a run ends with its generation batch; the window's
+    next microbatches come from a new one."""
+    stock, pf = both(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=2,
+                     steps=2)
+    assert_aligned(stock, pf)
+    assert run_lengths(pf[2]) == {2.0}
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_steps_per_generation_and_num_iterations(tmp_path, geometry):
     """Old-policy log-probs are computed here (scoring pass, forward only): they reuse the prefix too."""
