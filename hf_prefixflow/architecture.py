@@ -344,7 +344,7 @@ def build_tiny(model_cls: type, config, attn: str, seed: int = 0) -> PreTrainedM
     far from uniform and a missed dependency shows in the gradients."""
     tiny = tiny_config(config)
     tiny._attn_implementation = attn
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # the CPU stream alone (`probe` forks it); CUDA's untouched
     # The class itself, not `_from_config`: under a DeepSpeed ZeRO-3 config that would partition the copy's weights.
     model = model_cls(tiny).to(torch.float64)
     model.set_attn_implementation(attn)

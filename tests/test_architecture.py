@@ -119,7 +119,7 @@ def test_router_jitter_warns_naming_the_module():
             group(torch.tensor([[9, 10]])).logits.sum().backward()
 
 
-def test_the_probe_leaves_the_random_stream_alone():
+def test_the_probe_leaves_the_random_stream_alone(monkeypatch):
     """Applying PrefixFlow must not change what the caller draws next (TRL samples rollouts from it)."""
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=4e-6)
@@ -127,8 +127,11 @@ def test_the_probe_leaves_the_random_stream_alone():
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))  # torch.manual_seed's reach
     hf_prefixflow.apply_prefixflow(model)
     assert torch.equal(torch.rand(3), expected)
+    assert not seeded, "the probe reseeded the CUDA generators (a GPU run's sampling)"
 
 
 class _Unbuildable(LlamaForCausalLM):

@@ -113,16 +113,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._merge_limit = self._check_merge()
         if self.args.torch_compile:
             self._compile_layers()
-        # apply_prefixflow's probe seeds the tiny model it builds, and torch.manual_seed reaches the CUDA generators:
-        # keep the run's random streams (sampling) TRL's.
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            apply_prefixflow(self.model, offload=self.prefixflow_offload,
-                             prefix_recompute=self.prefixflow_prefix_recompute,
-                             suffix_checkpointing=self.prefixflow_suffix_checkpointing,
-                             kv_grad_dtype=self._kv_grad_dtype())
-            if self.ref_model is not None:
-                apply_prefixflow(self.ref_model)
+        apply_prefixflow(self.model, offload=self.prefixflow_offload, prefix_recompute=self.prefixflow_prefix_recompute,
+                         suffix_checkpointing=self.prefixflow_suffix_checkpointing, kv_grad_dtype=self._kv_grad_dtype())
+        if self.ref_model is not None:
+            apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
         self._session: GroupSession | None = None
         self._open: dict[tuple, object] = {}
