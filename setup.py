@@ -1,4 +1,9 @@
-from setuptools import find_packages, setup
+from setuptools import setup
+
+# Tested ends: torch 2.11 (GPU image) and 2.13 (CPU); transformers 5.17 (GPU image) and 5.24 (CPU).
+TRL = ["trl>=1.16,<1.17", "accelerate>=1.15,<1.16", "peft>=0.17,<0.22", "datasets>=3"]
+EXAMPLES = TRL + ["matplotlib>=3.7", "pillow>=10"]
+DEEPSPEED = ["deepspeed>=0.19,<0.20"]
 
 setup(
     name="hf-prefixflow",
@@ -6,20 +11,15 @@ setup(
     description="Training-time KV caching for long-prefix GRPO on the HuggingFace stack",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["hf_prefixflow", "hf_prefixflow.*", "trainers", "trainers.*"]),
+    # The TRL adapters live in trainers/ and install as hf_prefixflow.trainers (no top-level `trainers`).
+    packages=["hf_prefixflow", "hf_prefixflow.distributed", "hf_prefixflow.trainers"],
+    package_dir={"hf_prefixflow.trainers": "trainers"},
     python_requires=">=3.10",
-    # Tested ends: torch 2.11 (GPU image) and 2.13 (CPU); transformers 5.17 (GPU image) and 5.24 (CPU).
-    install_requires=[
-        "torch>=2.11,<2.14",
-        "transformers>=5.17,<5.25",
-        "accelerate>=1.15,<1.16",
-        "peft>=0.17,<0.22",
-        "trl>=1.16,<1.17",
-        "datasets>=3",
-        "matplotlib>=3.7",
-    ],
+    install_requires=["torch>=2.11,<2.14", "transformers>=5.17,<5.25"],
     extras_require={
-        "deepspeed": ["deepspeed>=0.19,<0.20"],
-        "dev": ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6", "deepspeed>=0.19,<0.20"],
+        "trl": TRL,
+        "examples": EXAMPLES,
+        "deepspeed": DEEPSPEED,
+        "dev": EXAMPLES + DEEPSPEED + ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6"],
     },
 )

@@ -298,8 +298,8 @@ def train(engine: str, scratch: str, cfg: dict) -> None:
 
     import criterion
     from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-    from trainers import grpo as pf_grpo
-    from trainers.grouping import check_group_prompts
+    from hf_prefixflow.trainers import grpo as pf_grpo
+    from hf_prefixflow.trainers.grouping import check_group_prompts
 
     # Same rows in the same microbatches on every engine (as tests/ddp_worker.py): no row or group shuffle.
     trl_grpo.shuffle_sequence_dict = lambda batch: batch

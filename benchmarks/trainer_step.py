@@ -48,8 +48,10 @@ from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, synthetic
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import synthetic  # noqa: E402 - the examples' synthetic task
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 

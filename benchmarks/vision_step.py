@@ -24,6 +24,7 @@ import datetime
 import json
 import math
 import pathlib
+import sys
 import random
 import statistics
 import tempfile
@@ -34,8 +35,10 @@ from datasets import Dataset
 from transformers import PrinterCallback, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic_vision
+from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import synthetic_vision  # noqa: E402 - the examples' synthetic task
 from trainer_step import StepTimer, device_name, git_commit, release, sync, timed_generation
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
@@ -226,8 +229,6 @@ def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    import sys
-
     args = parse_args(argv)
     out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
     command = "python benchmarks/vision_step.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -24,7 +24,8 @@ import time
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_long_prefix import remove_if_empty, summarize
-from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic_vision
+import synthetic_vision  # beside this script
+from hf_prefixflow import PrefixFlowGRPOTrainer
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 

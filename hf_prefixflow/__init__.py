@@ -11,11 +11,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The trainers import TRL, which the core does not need: load them on first use.
+    # The trainers import TRL (the `trl` extra), which the core does not need: load them on first use.
     if name in ("PrefixFlowGRPOTrainer", "PrefixFlowGRPOConfig"):
-        import trainers
+        from .trainers import grpo
 
-        return getattr(trainers, name)
+        return getattr(grpo, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -22,8 +22,8 @@ import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_prefixflow import PrefixFlowGRPOTrainer  # noqa: E402
-from trainers import grpo as pf_grpo  # noqa: E402
-from trainers.grouping import check_group_prompts  # noqa: E402
+from hf_prefixflow.trainers import grpo as pf_grpo  # noqa: E402
+from hf_prefixflow.trainers.grouping import check_group_prompts  # noqa: E402
 
 
 def deepspeed_config(stage: int) -> dict:

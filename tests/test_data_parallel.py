@@ -10,7 +10,7 @@ from launcher import torchrun
 
 from hf_prefixflow import PrefixFlowError
 from hf_prefixflow.distributed import fsdp
-from trainers.grouping import check_geometry
+from hf_prefixflow.trainers.grouping import check_geometry
 
 ENGINES = ["ddp", "zero1", "zero2", "zero3", "fsdp2", "ddp_split"]
 

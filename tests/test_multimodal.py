@@ -15,11 +15,12 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import hf_prefixflow
-from hf_prefixflow import PrefixFlowGRPOTrainer, synthetic_vision
+import synthetic_vision  # examples/, on the path through conftest.py
+from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow import multimodal as mm
 from hf_prefixflow.errors import PrefixFlowError
-from trainers import grpo as pf_grpo
-from trainers.grouping import check_group_prompts
+from hf_prefixflow.trainers import grpo as pf_grpo
+from hf_prefixflow.trainers.grouping import check_group_prompts
 from equivalence import assert_rel_close, assert_same_gradients, gradients, random_plan, token_loss
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))

@@ -13,8 +13,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-from trainers import grpo as pf_grpo
-from trainers.grouping import check_group_prompts
+from hf_prefixflow.trainers import grpo as pf_grpo
+from hf_prefixflow.trainers.grouping import check_group_prompts
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 # Two prompts of four completions per optimizer step: whole groups per microbatch, or each group over two microbatches,
@@ -336,7 +336,7 @@ def test_moe_with_tool_calls_replays_each_rows_first_turn(tmp_path, monkeypatch)
     """TRL's tool loop (simulated: the tiny tokenizer has no chat template for tools) generates again after a tool
     result, from prompts the recording does not cover: each row replays its prompt and first turn, and its tool
     result and later turn route afresh (warned, counted in fallback_rows), as GRPOTrainer routes them."""
-    from trainers import routing
+    from hf_prefixflow.trainers import routing
 
     calls = []
     first_turn_only = routing.first_turn_only
@@ -380,7 +380,7 @@ def test_router_aux_loss_of_a_router_prefixflow_does_not_read(tmp_path, monkeypa
 
 def test_moe_trainer_really_replays_the_recorded_routes(tmp_path, monkeypatch):
     """Shift every recorded expert by one: a trainer that replays must now leave the stock trajectory."""
-    from trainers import routing
+    from hf_prefixflow.trainers import routing
 
     assemble = routing.assemble
     monkeypatch.setattr(routing, "assemble", lambda *args: (assemble(*args) + 1) % 4)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.layouts import right_padded
 
 

@@ -27,13 +27,17 @@ from accelerate.utils import DistributedType, TorchDynamoPlugin
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import AutoWaves, GroupSession, PrefixFlowError, _compat, apply_prefixflow, moe
+from hf_prefixflow import _compat, moe
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
+from hf_prefixflow.engines import fsdp_units
 from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
-from hf_prefixflow.model import unwrap
+from hf_prefixflow.errors import PrefixFlowError
+from hf_prefixflow.model import apply_prefixflow, unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
+from hf_prefixflow.scheduler import GroupSession
+from hf_prefixflow.waves import AutoWaves
 
 from . import multimodal, routing, sequence_parallel
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
@@ -103,7 +107,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
-        self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp.units(self.model))
+        self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp_units(self.model))
         self._check_supported()
         for name, default in DEFAULTS.items():
             setattr(self, name, getattr(self.args, name, default))
@@ -570,7 +574,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _training_waves(self, model, groups, routes, width, waves):
         if self._session is None:
-            self._session = GroupSession(model).__enter__()
+            self._session = GroupSession(model).start()
         pieces = []
         for g in groups:
             split = self._splits.get(g.key)
@@ -658,7 +662,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                     f"a group split across processes {self._splits[key].holders} reappeared on processes {ranks} in "
                     "the same accumulation window; its prefix K/V live only on the first. " + _WHOLE_GROUPS)
         if self._session is None:
-            self._session = GroupSession(model).__enter__()
+            self._session = GroupSession(model).start()
         for key in sorted(k for k in spread if k not in self._splits):  # the same order on every rank
             g = local.get(key)
             with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
@@ -678,7 +682,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             try:
                 fed = self._reducing_phase_c(session)
             finally:
-                session.__exit__(None, None, None)
+                session.finish()
         if not fed:
             effect = "the engine would not step" if self._deepspeed else "FSDP2 would reduce no gradient"
             raise PrefixFlowError(
@@ -721,7 +725,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._open, self._splits = {}, {}
         self._follow, self._served, self._run_step = [], None, None
         if session is not None:
-            session.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+            session.finish(exc)
 
     # -- metrics -----------------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from hf_prefixflow import multimodal as core
+from hf_prefixflow import multimodal as core  # the module, not the package face
 from hf_prefixflow.model import unwrap
 
 from .grouping import BatchIndex

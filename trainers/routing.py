@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.moe import ROUTES_KWARG, RoutingRecorder
 
 BATCH_KEY = "prefixflow_routes"

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 
-from hf_prefixflow import GroupSession, PrefixFlowError
+from hf_prefixflow.errors import PrefixFlowError
+from hf_prefixflow.scheduler import GroupSession
 from hf_prefixflow.distributed import ulysses
 
 from .grouping import index_batch
@@ -90,7 +91,7 @@ def logps(trainer, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     sp, training = trainer._sp, torch.is_grad_enabled()
     pooled = pool_rows(sp, input_ids, attention_mask, logits_to_keep)
     if training and trainer._session is None:
-        trainer._session = GroupSession(model).__enter__()
+        trainer._session = GroupSession(model).start()
     with contextlib.nullcontext(trainer._session) if training else GroupSession(model) as session:
         per_rank = [_rank_rows(trainer, session, model, rank, *rows, compute_entropy, training)
                     for rank, rows in enumerate(pooled)]

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-from ..engines import fsdp_units as units
 from .collectives import all_gather, device_of
 from ..errors import PrefixFlowError
 
