@@ -51,7 +51,8 @@ from trl import GRPOConfig, GRPOTrainer
 from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import synthetic  # noqa: E402 - the examples' synthetic task
+import synthetic  # noqa: E402 - the examples' synthetic task and step timing
+from step_timing import StepTimer, sync, timed_generation  # noqa: E402
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 
@@ -63,27 +64,6 @@ class Point:
     batch: int
     checkpointing: bool
     generation: str
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-class StepTimer(TrainerCallback):
-    """Whole optimizer steps, the device synchronised on both sides."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        sync()
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        sync()
-        self.times.append(time.perf_counter() - self._start)
 
 
 def build_model(name: str, tiny: bool, tokenizer) -> torch.nn.Module:
@@ -112,22 +92,6 @@ def fixed_completions(trainer, length: int, vocab: int) -> None:
         return [[rng.randrange(3, vocab) for _ in range(length)] for _ in prompt_ids], None
 
     trainer._generate_single_turn = generate
-
-
-def timed_generation(trainer) -> list[float]:
-    """Seconds spent in `_generate_single_turn`, one entry per call."""
-    seconds, generate = [], trainer._generate_single_turn
-
-    def timed(*args, **kwargs):
-        sync()
-        start = time.perf_counter()
-        out = generate(*args, **kwargs)
-        sync()
-        seconds.append(time.perf_counter() - start)
-        return out
-
-    trainer._generate_single_turn = timed
-    return seconds
 
 
 def make_trainer(name: str, point: Point, args, steps: int):

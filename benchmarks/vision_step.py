@@ -39,7 +39,8 @@ from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic_vision  # noqa: E402 - the examples' synthetic task
-from trainer_step import StepTimer, device_name, git_commit, release, sync, timed_generation
+from step_timing import StepTimer, sync, timed_generation  # noqa: E402
+from trainer_step import device_name, git_commit, release  # noqa: E402
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 PATCH, MERGE = 14, 2  # Qwen2-VL's patch side and the 2x2 merge of patches into one token

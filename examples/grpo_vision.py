@@ -19,12 +19,12 @@ import argparse
 import copy
 import datetime
 import pathlib
-import time
 
 from trl import GRPOConfig, GRPOTrainer
 
 from grpo_long_prefix import remove_if_empty, summarize
 import synthetic_vision  # beside this script
+from step_timing import train_timed
 from hf_prefixflow import PrefixFlowGRPOTrainer
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
@@ -67,22 +67,8 @@ def run(name: str, args, processor, model, dataset) -> list[dict]:
     )
     trainer = TRAINERS[name](model=model, reward_funcs=synthetic_vision.shape_reward, args=config,
                              train_dataset=dataset, processing_class=processor)
-    generation_seconds = []
-    generate = trainer._generate_and_score_completions
-
-    def timed_generation(batch):  # generation is TRL's in both runs; time it to isolate the actor update
-        start = time.perf_counter()
-        out = generate(batch)
-        generation_seconds.append(time.perf_counter() - start)
-        return out
-
-    trainer._generate_and_score_completions = timed_generation
-    trainer.train()
+    logs = train_timed(trainer)
     remove_if_empty(pathlib.Path(trainer.args.output_dir))
-    logs = [log for log in trainer.state.log_history if "loss" in log and "step_time" in log]
-    for log, seconds in zip(logs, generation_seconds):
-        log["generation_s"] = seconds
-        log["actor_update_s"] = log["step_time"] - seconds
     return logs
 
 
