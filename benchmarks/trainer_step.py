@@ -121,21 +121,27 @@ def prefix_length(ratio: float, completion: int) -> int:
     return round(completion * ratio / (1 - ratio))
 
 
-def run(name: str, point: Point, args) -> dict:
-    """One trainer at one point: step times, generation times, peak memory, TRL's logged metrics."""
-    trainer = make_trainer(name, point, args, args.warmup + args.steps)
+def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
+    """Train `trainer`: whole-step and generation seconds after `warmup` steps, the peak device memory, the rows
+    sent to the plain path; and TRL's logged steps."""
     timer, generation = StepTimer(), timed_generation(trainer)
     trainer.add_callback(timer)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    result = {"steps": timer.times[args.warmup:], "generation": generation[args.warmup:],
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-              "completion_mean": statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
-              "run_microbatches": max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
-              "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs),
-              "config": trainer.model.config}
+    return {"steps": timer.times[warmup:], "generation": generation[warmup:],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs)}, logs
+
+
+def run(name: str, point: Point, args) -> dict:
+    """One trainer at one point: step times, generation times, peak memory, TRL's logged metrics."""
+    trainer = make_trainer(name, point, args, args.warmup + args.steps)
+    result, logs = train_measured(trainer, args.warmup)
+    result.update(completion_mean=statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
+                  run_microbatches=max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
+                  config=trainer.model.config)
     release(trainer)
     return result
 

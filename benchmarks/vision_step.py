@@ -39,8 +39,8 @@ from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic_vision  # noqa: E402 - the examples' synthetic task
-from step_timing import StepTimer, sync, timed_generation  # noqa: E402
-from trainer_step import device_name, git_commit, release  # noqa: E402
+from step_timing import sync  # noqa: E402
+from trainer_step import device_name, git_commit, release, train_measured  # noqa: E402
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 PATCH, MERGE = 14, 2  # Qwen2-VL's patch side and the 2x2 merge of patches into one token
@@ -141,17 +141,8 @@ def make_trainer(name: str, args, checkpointing: bool):
 
 def run(name: str, args, checkpointing: bool) -> dict:
     trainer = make_trainer(name, args, checkpointing)
-    timer, generation = StepTimer(), timed_generation(trainer)
-    trainer.add_callback(timer)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [log for log in trainer.state.log_history if "loss" in log]
-    result = {"steps": timer.times[args.warmup:], "generation": generation[args.warmup:],
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-              "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs),
-              "groups": sum(log.get("prefixflow/groups", 0) for log in logs),
-              "flops": group_flops(trainer.model, args)}
+    result, logs = train_measured(trainer, args.warmup)
+    result.update(groups=sum(log.get("prefixflow/groups", 0) for log in logs), flops=group_flops(trainer.model, args))
     release(trainer)
     return result
 

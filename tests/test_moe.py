@@ -15,13 +15,7 @@ from hf_prefixflow import PrefixFlowError, architecture, moe
 from hf_prefixflow.moe import record_routing
 from models import FAMILIES, build
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 models run fastest on one intra-op thread: more only add synchronisation on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # Every router with a replay adapter: the suite's own families (tests/models.py), and tiny random models of the
