@@ -155,6 +155,8 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
         train_side_by_side(model, groups, plans, prepare=lambda candidate: candidate)
     except AssertionError as exc:
         return WRONG, " ".join(str(exc).split()), replay
+    except PrefixFlowError as exc:  # refused before any step, naming the input the family needs
+        return REFUSED, f"at its first group: {exc}", replay
     except Exception as exc:  # noqa: BLE001 - accepted, then failed: a bug either way
         return FAILED, _message(exc)[:600] + " | " + _last_frame(exc), replay
     waves = "; ".join(f"{len(g.suffixes)} suffixes: " + ", ".join(f"{k}{rows}" for k, rows in plan)
@@ -319,7 +321,8 @@ def markdown(rows: list[dict], command: str) -> str:
         "(`ACCEPTED-AND-WRONG`, `FAILED-AFTER-ACCEPT`, `APPLY-CRASHED`, `TIMED-OUT`).",
         "",
         "- `exact`: loss, every gradient and each update within 1e-5 relative of full-sequence training.",
-        "- `refused`: `apply_prefixflow` raised `PrefixFlowError` (the message is the detail).",
+        "- `refused`: `apply_prefixflow` raised `PrefixFlowError`, or the first group did before any step (the message "
+        "is the detail).",
         "- `no tiny config`: no tiny random model of the family could be built or run (the reason is the detail).",
         "- `not a decoder-only causal LM`: an encoder or encoder-decoder family (what `apply_prefixflow` does with it",
         "  is in the detail).",
