@@ -7,6 +7,7 @@ library upgrade that moves one fails one clear test instead of a training run.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -27,8 +28,11 @@ dynamo_disable: Callable = torch._dynamo.disable
 
 
 def dynamo_inlines_modules() -> bool:
-    """Whether dynamo inlines nn.Module calls (guarding on their classes): torch's default since 2.5."""
-    return getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", True)
+    """Whether dynamo inlines nn.Module calls (guarding on their classes): torch's default since 2.5, and always so
+    from 2.13, where reading the flag only warns that it is deprecated."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", True)
 
 
 def global_forward_hooks() -> dict:

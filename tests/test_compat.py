@@ -78,3 +78,11 @@ def test_grpo_trainer_private_methods():
         assert method is not None, f"trl.GRPOTrainer.{name} is gone"
         if expected is not None:
             assert _parameters(method) == expected, f"trl.GRPOTrainer.{name} changed its parameters"
+
+
+def test_reading_dynamo_flags_raises_no_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _compat.dynamo_inlines_modules() is True
