@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from speed import build, suffix_loss
 
@@ -115,7 +116,7 @@ def sequence_parallel(args) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     model = build("qwen3-1.7b", prefixflow=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _compat.enable_checkpointing(model)
     model = hf_prefixflow.apply_prefixflow(model, offload=True)
     sp = ulysses.SequenceParallel()
     for prefix in args.prefix:

@@ -26,6 +26,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS
 from speed import build, group_parser, random_group, suffix_loss
@@ -142,7 +143,7 @@ def main() -> None:
 
     model = build(args.model, compile=args.compile)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(model)
     prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
     waves = [torch.stack(suffixes[i : i + args.wave]) for i in range(0, args.n, args.wave)]
     for variant in variants:

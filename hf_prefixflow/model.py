@@ -60,7 +60,8 @@ def check_checkpointing(model: torch.nn.Module) -> None:
             raise PrefixFlowError(
                 f"{name or type(module).__name__} uses reentrant activation checkpointing, which detaches the prefix "
                 "K/V from the prefix graph. Enable it as "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
+                "model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False}) "
+                "(gradient_checkpointing_enable(gradient_checkpointing_kwargs=...) before transformers 5.24)."
             )
 
 

@@ -29,6 +29,7 @@ from launcher import finish_worker  # noqa: E402
 from models import build  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
+from hf_prefixflow import _compat
 import hf_prefixflow  # noqa: E402
 from hf_prefixflow import PrefixFlowError  # noqa: E402
 from hf_prefixflow.distributed import pipeline  # noqa: E402
@@ -109,7 +110,7 @@ def wait_for_first_wave(marker: str, rank: int, stages: int) -> None:
 def prepared(family: str, layers: int, modes: set[str]) -> torch.nn.Module:
     model = build(family, num_hidden_layers=layers).train()
     if "checkpointing" in modes:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(model)
     if "lora" in modes:
         torch.manual_seed(5)
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],

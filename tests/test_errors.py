@@ -7,6 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from hf_prefixflow import PrefixFlowError, scheduler
 from models import ROPE_VARIANTS, build
@@ -125,7 +126,7 @@ def test_dtype_mismatch_between_phase_a_and_a_wave():
 
 def test_reentrant_checkpointing():
     model = build("llama").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    _compat.enable_checkpointing(model, use_reentrant=True)
     hf_prefixflow.apply_prefixflow(model)
     with raises("use_reentrant"):
         hf_prefixflow.prefix_group(model, PREFIX).__enter__()

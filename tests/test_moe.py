@@ -9,6 +9,7 @@ import transformers
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from equivalence import assert_rel_close, assert_same_gradients, gradients, pad, random_group, token_loss
 from hf_prefixflow import PrefixFlowError, architecture, moe
@@ -93,7 +94,7 @@ def test_replayed_routes_match_the_full_sequence(family, checkpointing):
     gen = torch.Generator().manual_seed(2)
     reference = moe_model(family).train()
     if checkpointing:
-        reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(reference)
     hf_prefixflow.apply_prefixflow(reference)
     candidate = copy.deepcopy(reference)
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 import synthetic_vision  # examples/, on the path through conftest.py
 from hf_prefixflow import PrefixFlowGRPOTrainer
@@ -134,7 +135,7 @@ def train_side_by_side(model, seed: int = 0, images=(1, 2, 1), lr: float = 1e-2,
 def prepared(family: str, checkpointing: bool, lora: bool) -> torch.nn.Module:
     model = build(family)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(model)
     return get_peft_model(model, LORA) if lora else model
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from equivalence import gradients, prefixflow_backward, random_group, random_plan
 from models import build
@@ -15,7 +16,7 @@ from models import build
 def _setup(family, lora=False, checkpointing=False):
     model = build(family).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(model)
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).double()
     return hf_prefixflow.apply_prefixflow(model)

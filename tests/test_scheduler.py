@@ -4,6 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from hf_prefixflow import _compat
 import hf_prefixflow
 from equivalence import (
     assert_rel_close,
@@ -24,7 +25,7 @@ def _setup(family, lora=False, checkpointing=False, **overrides):
     model = build(family, **overrides)
     model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _compat.enable_checkpointing(model)
     if lora:
         config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
         model = get_peft_model(model, config).double()
