@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import gc
 import itertools
@@ -50,6 +51,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.scheduler import PrefixGroup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic  # noqa: E402 - the examples' synthetic task and step timing
 from step_timing import StepTimer, sync, timed_generation  # noqa: E402
@@ -135,10 +137,15 @@ def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
             "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs)}, logs
 
 
-def run(name: str, point: Point, args) -> dict:
-    """One trainer at one point: step times, generation times, peak memory, TRL's logged metrics."""
+def run(name: str, point: Point, args) -> dict | None:
+    """One trainer at one point: step times, generation times, peak memory, TRL's logged metrics; `None` when it
+    runs out of device memory."""
     trainer = make_trainer(name, point, args, args.warmup + args.steps)
-    result, logs = train_measured(trainer, args.warmup)
+    try:
+        result, logs = train_measured(trainer, args.warmup)
+    except torch.OutOfMemoryError:
+        release(trainer)
+        return None
     result.update(completion_mean=statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
                   run_microbatches=max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
                   config=trainer.model.config)
@@ -159,7 +166,11 @@ def release(trainer) -> None:
 
 def measure(point: Point, args, commit: str) -> dict:
     runs = {name: run(name, point, args) for name in args.trainers}
+    out_of_memory = [name for name, result in runs.items() if result is None]
+    runs = {name: result for name, result in runs.items() if result is not None}
     stock, pf = runs.get("stock"), runs.get("prefixflow")
+    if not runs:
+        return {**vars(point), "out_of_memory": out_of_memory}
     any_run = stock or pf
     prefix, completion = prefix_length(point.ratio, args.completion), any_run["completion_mean"]
     accumulation = args.n // math.gcd(args.n, point.batch)
@@ -168,7 +179,7 @@ def measure(point: Point, args, commit: str) -> dict:
     flop_ratio = shape.full_sequence(prefix, [completion] * args.n) / shape.prefixflow(prefix, [completion] * args.n)
     row = {"model": point.model, "P": prefix, "S": args.completion,
            "S_mean": round(completion, 1), "N": args.n, "batch": point.batch, "groups_per_step": groups,
-           "checkpointing": point.checkpointing, "generation": point.generation}
+           "checkpointing": point.checkpointing, "generation": point.generation, "out_of_memory": out_of_memory}
     for name, result in runs.items():
         row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
         row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
@@ -222,13 +233,16 @@ def write(rows: list[dict], out: pathlib.Path, tag: str, command: str) -> None:
 PHASES = {"_generate_single_turn": "generation", "_generate_and_score_completions": "generate_and_score",
           "training_step": "microbatch", "compute_loss": "forward_and_loss", "_end_boundary": "phase_c",
           "_close_groups_not_in": "phase_c"}
+GROUP_PHASES = {"_prefix_forward": "phase_a", "run_wave": "wave_forward"}  # PrefixGroup's methods
+ORDER = ["step", "generate_and_score", "generation", "microbatch", "forward_and_loss", "phase_a", "wave_forward",
+         "backward", "phase_c", "optimizer"]
 
 
 class ProfiledStep(TrainerCallback):
     """Profiles the step after `skip` steps, with `step` and `optimizer` ranges."""
 
     def __init__(self, skip: int, trace: pathlib.Path):
-        self.skip, self.trace, self.profiler, self.ranges = skip, trace, None, {}
+        self.skip, self.trace, self.profiler, self.ranges, self.ops = skip, trace, None, {}, []
 
     def _enter(self, name: str):
         if self.profiler is not None:
@@ -261,21 +275,33 @@ class ProfiledStep(TrainerCallback):
             self._exit("step")
             self.profiler.__exit__(None, None, None)
             self.profiler.export_chrome_trace(str(self.trace))
+            self.ops = top_host_ops(self.profiler)
             self.profiler = None
 
 
-def annotate(trainer) -> None:
-    """Wrap the methods named in PHASES in record_function ranges."""
+def _ranged(inner, phase: str):
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(phase):
+            return inner(*args, **kwargs)
+    return wrapped
+
+
+@contextlib.contextmanager
+def annotated(trainer):
+    """Wrap the trainer methods named in PHASES, PrefixGroup's in GROUP_PHASES and the backward in record_function
+    ranges (the group's methods restored on exit)."""
     for method, phase in PHASES.items():
-        if not hasattr(trainer, method):
-            continue
-        inner = getattr(trainer, method)
-
-        def wrapped(*args, _inner=inner, _phase=phase, **kwargs):
-            with torch.profiler.record_function(_phase):
-                return _inner(*args, **kwargs)
-
-        setattr(trainer, method, wrapped)
+        if hasattr(trainer, method):
+            setattr(trainer, method, _ranged(getattr(trainer, method), phase))
+    trainer.accelerator.backward = _ranged(trainer.accelerator.backward, "backward")
+    saved = {method: getattr(PrefixGroup, method) for method in GROUP_PHASES}
+    try:
+        for method, phase in GROUP_PHASES.items():
+            setattr(PrefixGroup, method, _ranged(saved[method], phase))
+        yield
+    finally:
+        for method, inner in saved.items():
+            setattr(PrefixGroup, method, inner)
 
 
 def busy_time(intervals: list[tuple[float, float]], start: float, end: float) -> float:
@@ -297,7 +323,7 @@ def summarise(trace: pathlib.Path) -> list[dict]:
                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
     ranges: dict[str, list[tuple[float, float]]] = {}
     for e in events:
-        if e.get("cat") == "user_annotation" and e.get("name") in set(PHASES.values()) | {"step", "optimizer"}:
+        if e.get("cat") == "user_annotation" and e.get("name") in ORDER:
             ranges.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
     rows = []
     for name, spans in ranges.items():
@@ -306,31 +332,43 @@ def summarise(trace: pathlib.Path) -> list[dict]:
         rows.append({"phase": name, "calls": len(spans), "wall_ms": round(wall / 1e3, 2),
                      "gpu_busy_ms": round(busy / 1e3, 2) if device else None,
                      "gpu_busy_share": round(busy / wall, 3) if device and wall else None})
-    order = ["step", "generate_and_score", "generation", "microbatch", "forward_and_loss", "phase_c", "optimizer"]
-    return sorted(rows, key=lambda r: order.index(r["phase"]))
+    return sorted(rows, key=lambda r: ORDER.index(r["phase"]))
+
+
+def top_host_ops(profiler, count: int = 12) -> list[dict]:
+    """The operators with the most host time of their own in the profiled step."""
+    ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)}
+            for e in ops if not e.key.startswith("ProfilerStep")][:count]
 
 
 def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
-    rows = []
+    rows, ops = [], {}
     for name in args.trainers:
         trainer = make_trainer(name, point, args, args.warmup + 1)
-        annotate(trainer)
         trace = pathlib.Path(tempfile.mkdtemp()) / f"{name}.json"
-        trainer.add_callback(ProfiledStep(args.warmup, trace))
-        trainer.train()
+        step = ProfiledStep(args.warmup, trace)
+        trainer.add_callback(step)
+        with annotated(trainer):
+            trainer.train()
         release(trainer)
         rows += [{"trainer": name, **r} for r in summarise(trace)]
+        ops[name] = step.ops
     meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
             "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "commit": commit, "date": datetime.date.today().isoformat()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows}, indent=1))
+    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
+                                                              indent=1))
     lines = [f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, N={meta['N']}) on "
              f"{meta['gpu']}, commit {commit}. Ranges nest: microbatch holds forward_and_loss and, for PrefixFlow, "
              "phase_c; the profiler's own overhead inflates host-bound ranges.", "",
              "| trainer | phase | calls | wall ms | GPU busy ms | GPU busy share |", "| --- " * 6 + "|"]
     lines += [f"| {r['trainer']} | {r['phase']} | {r['calls']} | {r['wall_ms']} | {r['gpu_busy_ms']} | "
               f"{r['gpu_busy_share']} |" for r in rows]
+    for name, table in ops.items():
+        lines += ["", f"{name}: operators by host time of their own", "", "| op | calls | self host ms |",
+                  "| --- | --- | --- |"] + [f"| `{o['op']}` | {o['calls']} | {o['self_host_ms']} |" for o in table]
     (out / "trainer_step_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
@@ -388,9 +426,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
             print(f"deadline: {len(points) - len(rows)} points not run", flush=True)
             break
-        rows.append(measure(point, args, commit))
-        print(json.dumps(rows[-1]), flush=True)
-        write(rows, out, args.tag, command)
+        row = measure(point, args, commit)
+        print(json.dumps(row), flush=True)
+        if "P" in row:  # a point where every trainer ran out of memory has no row
+            rows.append(row)
+            write(rows, out, args.tag, command)
     return rows
 
 
