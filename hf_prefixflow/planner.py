@@ -365,6 +365,32 @@ def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, comp
     return phase_a, phase_b, phase_c, breakdown
 
 
+def keeps_suffix_activations(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int],
+                             baseline_rows: int, checkpointing: str = "full", offload: bool = False,
+                             share: float = 0.0) -> bool:
+    """Whether a run of suffix waves may keep its activations (no checkpointing) within the device memory that
+    full-sequence training under the same `checkpointing` policy needs for one microbatch of `baseline_rows` rows of
+    the longest prompt (the static state is the same on both sides and left out).
+
+    Args:
+        tokens: the model's byte model (`token_bytes`).
+        prompts: each group's prompt tokens P.
+        completion_tokens: the run's completion width S.
+        rows: each group's completions in the run (all of them backpropagate together, so their activations
+            coexist; one group's loss transient at a time).
+        baseline_rows: the full-sequence microbatch's rows (TRL's `per_device_train_batch_size`).
+        checkpointing, offload, share: the policy of both sides and PrefixFlow's prefix knobs.
+    """
+    budget = baseline_peak(tokens, 0.0, max(prompts), completion_tokens, baseline_rows, checkpointing)
+    held, transient = 0.0, 0.0
+    for prompt, count in zip(prompts, rows):
+        parts = prefixflow_peaks(tokens, 0.0, prompt, completion_tokens, count, checkpointing, offload, share,
+                                 suffix_checkpointing=False)[3]
+        held += parts["prefix"] + parts["kv_grad"] + parts["wave"]
+        transient = max(transient, parts["peak_transient"])
+    return held + transient <= budget
+
+
 def _prepare(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, trainable_parameters,
              optimizer_state_bytes) -> _Model:
     return _Model(token_bytes(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit),

@@ -83,6 +83,8 @@ class PrefixGroup:
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1, kv_grad_dtype(model))
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
+        # Per group, overriding the model's `suffix_checkpointing` (None: follow it); a trainer may set it per run.
+        self.suffix_checkpointing: bool | None = None
         self.offload: PrefixOffload | None = None
         self.attention_replay: AttentionReplay | None = None
 
@@ -226,7 +228,8 @@ class PrefixGroup:
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
         marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
-        keep = not config_of(self._inner).suffix_checkpointing
+        checkpointed = self.suffix_checkpointing
+        keep = not (config_of(self._inner).suffix_checkpointing if checkpointed is None else checkpointed)
         with checkpointing_suspended(self._inner) if keep else contextlib.nullcontext():
             return self.runner.forward(self, self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
 

@@ -183,6 +183,17 @@ def test_knobs_are_valid_settings_and_follow_the_memory():
     assert estimates[0].baseline_fits and not estimates[1].baseline_fits
 
 
+def test_suffix_activations_are_kept_where_the_full_sequence_microbatch_needs_more():
+    """`keeps_suffix_activations` (the trainer's prefixflow_suffix_checkpointing='auto'). H200, 4,864/256, N=16 in
+    one run, both sides checkpointed (2026-12-02_trainer_step): GRPOTrainer's microbatch of 16 rows peaked at 29.8 GiB
+    and PrefixFlow keeping the suffix activations at 24.9 (kept); a microbatch of 4 rows at 18.4 (recomputed)."""
+    tokens = planner.token_bytes(h200_config("qwen3-1.7b"), dtype=torch.bfloat16)
+    assert planner.keeps_suffix_activations(tokens, [4864], 256, [16], baseline_rows=16)
+    assert not planner.keeps_suffix_activations(tokens, [4864], 256, [16], baseline_rows=4)
+    assert not planner.keeps_suffix_activations(tokens, [4864, 4864], 256, [16, 16], baseline_rows=16)
+    assert planner.keeps_suffix_activations(tokens, [4864], 256, [16], baseline_rows=4, checkpointing="none")
+
+
 def test_longest_is_the_frontier_of_plan():
     config = h200_config("qwen3-1.7b")
     cap = 24 * GIB

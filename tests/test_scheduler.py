@@ -169,15 +169,18 @@ def test_suffix_waves_can_keep_their_activations_under_checkpointing(family):
     group = random_group(gen, n=(2, 3))
     ids, mask = pad(group.suffixes, gen)
     saved = {}
-    for keep_checkpointing in (True, False):
-        hf_prefixflow.apply_prefixflow(model, suffix_checkpointing=keep_checkpointing)
+    # (the model's setting, the group's override): a group's own setting wins (the trainer's 'auto' sets it per run)
+    for setting in ((True, None), (False, None), (True, False), (False, True)):
+        hf_prefixflow.apply_prefixflow(model, suffix_checkpointing=setting[0])
         count = []
         with hf_prefixflow.prefix_group(model, group.prefix) as g:
+            g.suffix_checkpointing = setting[1]
             with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(1) or t, lambda t: t):
                 out = g(ids, attention_mask=mask)
             out.logits.sum().backward()
-        saved[keep_checkpointing] = len(count)
-    assert saved[False] > 2 * saved[True], saved
+        saved[setting] = len(count)
+    assert saved[False, None] > 2 * saved[True, None], saved
+    assert saved[True, False] == saved[False, None] and saved[False, True] == saved[True, None], saved
 
 
 def test_kv_grads_sum_in_the_precision_of_the_trainable_weights():

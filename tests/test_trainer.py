@@ -235,6 +235,17 @@ def test_suffix_activations_kept_under_checkpointing(tmp_path):
                          prefixflow_suffix_checkpointing=False))
 
 
+@pytest.mark.parametrize("batch, accumulation, recomputed", [(8, 1, 0.0), (1, 8, 1.0)])
+def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, batch, accumulation, recomputed):
+    """prefixflow_suffix_checkpointing='auto' (the default) under gradient checkpointing: a run whose suffix
+    activations fit in the memory of TRL's microbatch of full sequences keeps them, otherwise they are recomputed;
+    gradients, weights and metrics are the stock trainer's either way."""
+    stock, pf = both(tmp_path, gradient_checkpointing=True, per_device_train_batch_size=batch,
+                     gradient_accumulation_steps=accumulation)
+    assert_aligned(stock, pf)
+    assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {recomputed}
+
+
 def test_default_adamw_trajectory_stays_aligned(tmp_path):
     stock, pf = both(tmp_path, steps=3, optim="adamw_torch", learning_rate=1e-3)
     for name in stock[1]:

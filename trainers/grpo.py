@@ -34,7 +34,8 @@ from hf_prefixflow.engines import fsdp_units
 from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.model import apply_prefixflow, unwrap
+from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
+from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, token_bytes
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession
 from hf_prefixflow.waves import AutoWaves
@@ -67,9 +68,11 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
                                         f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
                                         "back, else 0)"})
-    prefixflow_suffix_checkpointing: bool = field(
-        default=True, metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
-                                        "of recomputing them (the prefix stays checkpointed)"})
+    prefixflow_suffix_checkpointing: str = field(
+        default="auto", metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
+                                          "of recomputing them (the prefix stays checkpointed); 'auto' keeps them "
+                                          "where that fits in the memory one microbatch of full sequences needs "
+                                          "under the same checkpointing; True always recomputes"})
     prefixflow_wave_size: str | None = field(
         default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
                                         "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
@@ -115,10 +118,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
         self._merge_limit = self._check_merge()
+        self._suffix_policy = self._check_suffix_checkpointing()
         if self.args.torch_compile:
             self._compile_layers()
         apply_prefixflow(self.model, offload=self.prefixflow_offload, prefix_recompute=self.prefixflow_prefix_recompute,
-                         suffix_checkpointing=self.prefixflow_suffix_checkpointing, kv_grad_dtype=self._kv_grad_dtype())
+                         suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
@@ -140,6 +144,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                           or self.aux_loss_enabled)
         self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
         self._merge_cap = 1  # microbatches per run for the buffered generation
+        self._token_bytes: TokenBytes | None = None  # the planner's byte model, for prefixflow_suffix_checkpointing
         self._window_position = 0  # microbatches of this accumulation window already trained
         self._served: tuple | None = None  # a run's log-probs and entropies of the microbatch TRL's loss reads next
         self._follow: list[torch.Tensor] = []  # losses of the current run's microbatches still to come
@@ -576,11 +581,13 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._session is None:
             self._session = GroupSession(model).start()
         pieces = []
+        checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
         for g in groups:
             split = self._splits.get(g.key)
             group = split.group if split is not None else self._open.get(g.key)
             if group is None:
                 group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
+            group.suffix_checkpointing = checkpointed
             pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
         self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
@@ -600,6 +607,32 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 raise PrefixFlowError(f"prefixflow_wave_size must be None, 'auto' or a positive integer, got {size!r}.")
             self.prefixflow_wave_size = int(size)
         return None
+
+    def _check_suffix_checkpointing(self) -> bool | str:
+        """The suffix-checkpointing policy: True, False or 'auto' (`_suffix_checkpointed`)."""
+        setting = self.prefixflow_suffix_checkpointing
+        policy = {"true": True, "false": False, "auto": "auto"}.get(str(setting).lower())
+        if policy is None:
+            raise PrefixFlowError(f"prefixflow_suffix_checkpointing must be True, False or 'auto', got {setting!r}.")
+        if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp
+                                 or any(type(m).__name__ == "CheckpointWrapper" for m in self.model.modules())):
+            return True  # nothing to suspend, or checkpoint wrappers transformers' switch does not reach
+        return policy
+
+    def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
+        """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
+        them fits in the memory TRL's microbatch of full sequences needs under the same checkpointing
+        (`planner.keeps_suffix_activations`); the prompt freed that memory. Logged as prefixflow/suffix_checkpointing."""
+        if self._suffix_policy != "auto":
+            return None
+        config = config_of(unwrap(model))
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes(unwrap(model))
+        keep = keeps_suffix_activations(self._token_bytes, [len(g.prefix_ids) for g in groups], completion_width,
+                                        [len(g.rows) for g in groups], self.args.per_device_train_batch_size,
+                                        offload=config.offload, share=config.recompute_share)
+        self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
+        return not keep
 
     def _check_merge(self) -> int | None:
         """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""
