@@ -21,7 +21,9 @@ FLOP-ideal time (stock generation time measured around `_generate_single_turn`).
 instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
 time the GPU was busy within it (the union of kernels, copies and memsets); a low share is host-bound time.
 `--prefixflow-config KEY=VALUE,...` sets `PrefixFlowGRPOConfig` fields for the PrefixFlow trainer only, e.g.
-`prefixflow_merge_microbatches=1` (a suffix wave per TRL microbatch) or `prefixflow_suffix_checkpointing=false`.
+`prefixflow_merge_microbatches=1` (a suffix wave per TRL microbatch) or `prefixflow_suffix_checkpointing=false`;
+`--config` sets `GRPOConfig` fields for both (`torch_compile=true`: the like-for-like compiled comparison). Each row
+also keeps the untimed warm-up steps' seconds (compilation shows there).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def make_trainer(name: str, point: Point, args, steps: int):
     accumulation = args.n // math.gcd(args.n, point.batch)  # one generation batch per optimizer step
     groups = point.batch * accumulation // args.n
     extra = args.prefixflow_config if name == "prefixflow" else {}
-    config = (PrefixFlowGRPOConfig if extra else GRPOConfig)(
+    extra = {**args.config, **extra}
+    config = (PrefixFlowGRPOConfig if name == "prefixflow" and args.prefixflow_config else GRPOConfig)(
         **extra, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=point.batch,
         gradient_accumulation_steps=accumulation, num_generations=args.n, max_completion_length=args.completion,
         gradient_checkpointing=point.checkpointing, bf16=torch.cuda.is_available(),
@@ -132,7 +135,7 @@ def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    return {"steps": timer.times[warmup:], "generation": generation[warmup:],
+    return {"steps": timer.times[warmup:], "warmup_steps": timer.times[:warmup], "generation": generation[warmup:],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs)}, logs
 
@@ -148,6 +151,7 @@ def run(name: str, point: Point, args) -> dict | None:
         return None
     result.update(completion_mean=statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
                   run_microbatches=max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
+                  suffix_recomputed=max((log.get("prefixflow/suffix_checkpointing", 0) for log in logs), default=0),
                   config=trainer.model.config)
     release(trainer)
     return result
@@ -183,6 +187,7 @@ def measure(point: Point, args, commit: str) -> dict:
     for name, result in runs.items():
         row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
         row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
+        row[f"{name}_warmup_steps_s"] = [round(t, 4) for t in result["warmup_steps"]]
         row[f"{name}_generation_s"] = round(statistics.median(result["generation"]), 4)
         row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
     row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if stock and pf else None
@@ -192,7 +197,8 @@ def measure(point: Point, args, commit: str) -> dict:
         row["amdahl_cap"] = round(row["stock_s"] / (generation + (row["stock_s"] - generation) / flop_ratio), 3)
     if pf:
         row["run_microbatches"], row["fallback_rows"] = pf["run_microbatches"], pf["fallback_rows"]
-    row.update(prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
+        row["suffix_recomputed"] = pf["suffix_recomputed"]  # prefixflow_suffix_checkpointing's choice (1: recomputed)
+    row.update(config=args.config, prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
                gpu=device_name(), torch=torch.__version__, transformers=transformers.__version__, commit=commit,
                date=datetime.date.today().isoformat())
     return row
@@ -218,14 +224,22 @@ def write(rows: list[dict], out: pathlib.Path, tag: str, command: str) -> None:
     lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
              f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
              "| model | P / S | N | batch | checkpointing | generation | stock s | PrefixFlow s | speedup | FLOP ratio "
-             "| Amdahl cap | microbatches per run | peak GiB stock / PF |", "| --- " * 13 + "|"]
+             "| Amdahl cap | microbatches per run | peak GiB stock / PF | settings |", "| --- " * 14 + "|"]
     for r in rows:
         peaks = f"{r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')}"
         lines.append(f"| {r['model']} | {r['P']} / {r['S_mean']} | {r['N']} | {r['batch']} | "
                      f"{'on' if r['checkpointing'] else 'off'} | {r['generation']} | {r.get('stock_s', '-')} | "
                      f"{r.get('prefixflow_s', '-')} | {r['speedup'] or '-'}x | {r['flop_ratio']}x | "
-                     f"{r.get('amdahl_cap', '-')}x | {r.get('run_microbatches', '-')} | {peaks} |")
+                     f"{r.get('amdahl_cap', '-')}x | {r.get('run_microbatches', '-')} | {peaks} | "
+                     f"{settings(r)} |")
     (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+
+
+def settings(row: dict) -> str:
+    """A row's non-default settings: `--config` for both trainers, `--prefixflow-config` for PrefixFlow's."""
+    both = [f"{k}={v}" for k, v in row.get("config", {}).items()]
+    own = [f"PF {k}={v}" for k, v in row.get("prefixflow_config", {}).items()]
+    return ", ".join(both + own) or "defaults"
 
 
 # -- --profile: where one step's time goes -----------------------------------------------------------------------
@@ -401,6 +415,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--prefixflow-config", default="", type=options,
                         help="KEY=VALUE,... PrefixFlowGRPOConfig fields for the PrefixFlow trainer only, e.g. "
                              "prefixflow_merge_microbatches=1 or torch_compile=true (default: a plain GRPOConfig)")
+    parser.add_argument("--config", default="", type=options,
+                        help="KEY=VALUE,... GRPOConfig fields for both trainers, e.g. torch_compile=true")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no grid point after this many seconds")
     parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
