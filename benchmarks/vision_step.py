@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainers", default="stock,prefixflow")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
     command = "python benchmarks/vision_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    commit, rows = git_commit(), []
+    commit, rows = args.commit or git_commit(), []
     for checkpointing in {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]:
         rows.append(measure(args, checkpointing, commit))
         write(rows, out, command)
