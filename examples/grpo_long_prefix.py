@@ -161,6 +161,10 @@ def summarize(results: dict[str, list[dict]], out: pathlib.Path) -> None:
         print(f"{name:<12}{step:>10.3f}{update:>22.3f}{reward:>17.3f}")
     if len(rows) == 2:
         print(f"whole-step speedup: {rows[0][1] / rows[1][1]:.2f}x; without generation: {rows[0][2] / rows[1][2]:.2f}x")
+        saved = [log["prefixflow/flops_saved"] for log in results["prefixflow"] if "prefixflow/flops_saved" in log]
+        if saved:  # the speedup a GPU-bound actor update could reach; small or host-bound steps stay below it
+            print(f"FLOP ratio of the shared groups (the bound for a GPU-bound step): "
+                  f"{1 / (1 - statistics.mean(saved)):.2f}x")
         stock, prefixflow = results["stock"], results["prefixflow"]
         gaps = [abs(s["loss"] - p["loss"]) for s, p in zip(stock, prefixflow)]
         agree = all(g <= 1e-4 + 1e-3 * abs(s["loss"]) for g, s in zip(gaps, stock))
