@@ -46,12 +46,10 @@ PASS_KWARG = "prefixflow_pass"
 SP_KWARG = "prefixflow_sp"  # a `distributed.ulysses.SequenceParallel`: this forward is sharded along the sequence
 TOWER = "_prefixflow_tower"  # set on modules outside the decoder of an image-text model: they cache nothing
 
-# Compiled variants of one code object that PrefixFlow's phases can need: Phase A, the waves and Phase C's recompute
-# (with and without a graph), each with layer inputs that need a gradient and, with frozen embeddings (LoRA), one
-# that does not; transformers' `deprecate_kwarg` wrapper shares its code object between a decoder layer's forward
-# and its attention's. A frozen-embedding model used 9 without offload and 12 with it; offload recomputing half the
-# layers used 9 (CPU, aot_eager). Past torch's default of 8, dynamo logs one warning and runs the remaining calls
-# eagerly.
+# The dynamo recompile limit PrefixFlow's phases need (the trainer sets it; torch's default is 8): compiled variants
+# of one code object for Phase A, the waves and Phase C's recompute (with and without a graph), each with layer
+# inputs that need a gradient and, with frozen embeddings (LoRA), without; transformers' `deprecate_kwarg` wrapper
+# shares one code object between a decoder layer's forward and its attention's. Counts: docs/compile.md.
 RECOMPILE_LIMIT = 16
 
 
@@ -70,30 +68,44 @@ REACH = _Reach()
 
 @dataclass(frozen=True, eq=False)
 class PrefixPass:
-    """Phase A marker: capture each layer's K/V (and, if asked, MoE router logits) into `cache`."""
+    """Phase A marker, passed as the `prefixflow_pass` kwarg: capture each layer's K/V into `cache`.
+
+    Attributes:
+        cache: the group's cache (or a stand-in with its `capture` / `capture_router`).
+        collect_router_logits: also capture each MoE layer's router logits.
+        replay: the recomputed layers' attention results, replayed in Phase C (offload with recompute), or None.
+    """
 
     cache: TrainingKVCache
     collect_router_logits: bool = False
-    replay: AttentionReplay | None = None  # recomputed layers' attention, replayed in Phase C
+    replay: AttentionReplay | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class SuffixPass:
-    """Phase B marker: attend over the cached prefix plus this wave."""
+    """Phase B marker, passed as the `prefixflow_pass` kwarg: attend over `cache`'s prefix K/V plus `wave`'s own.
+
+    Attributes:
+        cache: the group's cache, read through `cache.leaves(layer_idx)`.
+        wave: the wave being run; its geometry gives the visibility.
+    """
 
     cache: TrainingKVCache
     wave: Wave
 
 
 def wrapped_name(base: str) -> str:
+    """The registered name of PrefixFlow's wrapper of implementation `base` (`"sdpa"` -> `"prefixflow_sdpa"`)."""
     return NAME_PREFIX + base
 
 
 def base_name(name: str) -> str:
+    """The implementation a (possibly) wrapped attention name delegates to (`"prefixflow_sdpa"` -> `"sdpa"`)."""
     return name.removeprefix(NAME_PREFIX)
 
 
 def is_wrapped(name: str | None) -> bool:
+    """Whether an `_attn_implementation` name is PrefixFlow's, i.e. `apply_prefixflow` switched the model."""
     return bool(name) and name.startswith(NAME_PREFIX)
 
 
@@ -224,7 +236,32 @@ def prefixflow_attention(
     scaling: float | None = None,
     **kwargs,
 ):
-    """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one."""
+    """Attention function for `prefixflow_<base>`: the base outside a group, Phase A or B inside one.
+
+    Called by transformers' attention modules through `AttentionInterface`, with the signature and layouts of its
+    attention functions.
+
+    Args:
+        module: the attention module; reads `module.config._attn_implementation`, `module.layer_idx` and, if
+            present, `module.sliding_window`.
+        query: `[B, H_q, S, D]`, post-RoPE.
+        key, value: `[B, H_kv, S, D]`, post-RoPE (`H_q` a multiple of `H_kv`); the wave's own K/V in Phase B.
+        attention_mask: the mask transformers built for the base (or None). Used outside a group and in Phase A;
+            a wave replaces it with its own visibility (`Wave.visible`).
+        dropout: attention dropout probability; must be 0 inside a group.
+        scaling: softmax scale; None: `D ** -0.5`.
+        **kwargs: the base's keyword arguments (`sliding_window`, `softcap`, `s_aux` ...), plus PrefixFlow's, which
+            are consumed here: `prefixflow_pass` (a `PrefixPass` or `SuffixPass`), `prefixflow_routes` (MoE) and
+            `prefixflow_sp` (Ulysses).
+
+    Returns:
+        `(attn_output, attn_weights)`: `attn_output [B, S, H_q, D]` in the query's dtype (the autocast dtype under
+        autocast); `attn_weights` as the base returns them, None from PrefixFlow's own kernels.
+
+    Raises:
+        PrefixFlowError: inside a group, attention dropout or `output_attentions`; in a wave, a layer with no
+            cached prefix K/V, or K/V of another dtype or device than the cached ones.
+    """
     sequence_parallel = kwargs.pop(SP_KWARG, None)
     if sequence_parallel is not None:  # Ulysses: re-enters here on full-length sequences of a head shard
         return sequence_parallel.attend(prefixflow_attention, module, query, key, value, dropout, scaling, kwargs)
@@ -302,7 +339,14 @@ def _bridged_class(cls: type, carries: bool) -> type:
 
 def bridge_layers(layers: list[torch.nn.Module], attention_modules: list[torch.nn.Module]) -> None:
     """Carry each of `layers`' PrefixFlow kwargs to `attention_modules` (inside those layers), which the layers call
-    without them. Idempotent."""
+    without them. Idempotent.
+
+    Args:
+        layers: decoder layers that call their attention without the model's kwargs; their class is swapped for a
+            subclass whose forward puts the kwargs on a context variable.
+        attention_modules: the attention modules inside them; their class is swapped for a subclass whose forward
+            takes the kwargs from it.
+    """
     for modules, carries in ((layers, True), (attention_modules, False)):
         for module in modules:
             if not getattr(module, "_prefixflow_bridged", False):

@@ -26,6 +26,10 @@ class PrefixFlowConfig:
             the trainable parameters, the precision their own gradients accumulate in.
         allow_unprobed: train a model whose architecture `apply_prefixflow` could not probe (no tiny copy could be
             built or run) on the strength of its structure checks alone. Off: such a model is refused.
+
+    Raises:
+        PrefixFlowError: `prefix_recompute` is not a number in [0, 1], or `kv_grad_dtype` is neither a floating-point
+            `torch.dtype` nor one of its names (`"float32"`, `"bfloat16"`, `"float16"`, `"float64"`).
     """
 
     offload: bool = False
@@ -58,5 +62,15 @@ class PrefixFlowConfig:
         return RECOMPUTE_SHARE if self.offload else 0.0
 
     def replace(self, **changes) -> "PrefixFlowConfig":
-        """A copy with `changes` applied (entries that are `None` keep the current value)."""
+        """A copy with `changes` applied.
+
+        Args:
+            **changes: field values; `None` keeps the current value.
+
+        Returns:
+            A new, validated `PrefixFlowConfig`.
+
+        Raises:
+            PrefixFlowError: an invalid value (see the class); TypeError for an unknown field.
+        """
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})

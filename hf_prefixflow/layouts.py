@@ -22,17 +22,34 @@ PREFIX = -2
 
 @dataclass(eq=False)
 class Wave:
-    """One Phase-B microbatch: model inputs plus the geometry its attention masks are derived from."""
+    """One Phase-B microbatch: model inputs plus the geometry its attention masks are derived from.
 
-    input_ids: torch.Tensor  # [B, S]
-    position_ids: torch.Tensor  # [B, S], absolute positions in [P || s]
-    segment_ids: torch.Tensor  # [B, S], suffix index within the row, PADDING for pad tokens
-    cached_length: int  # P' = prefix tokens held in the cache
+    Built by `padded_wave` / `packed_wave` (or `PrefixGroup.padded_wave`); every tensor is on the group's device.
+    `S` is the wave's width: the suffix width for padded rows, `sum(L_i)` for a packed row (`B = 1`).
+
+    Attributes:
+        input_ids: `[B, S]` int64: per suffix, the prefix's last token, then the suffix without its last token.
+        position_ids: `[B, S]` int64 absolute positions in `[P || s]`: `position_offset + cached_length + t` for a
+            suffix's input `t`.
+        segment_ids: `[B, S]` integer: the suffix index within the row (0 for padded rows), `PADDING` (-1) for pad
+            inputs.
+        cached_length: `P'`, the prefix tokens held in the cache (`P - 1`).
+        packed: whether the row holds several suffixes (`packed_wave`).
+        position_offset: position of the first prefix token (left padding in the stock trainer).
+        segment_lengths: packed only, `[L_1, ..., L_n]` tokens per suffix; `[]` for padded rows.
+        routes: MoE routing replay, `[layers, B, S, k]` int aligned with `input_ids`, or None.
+        router_logits: MoE, None or a dict the forward fills with each layer's router logits `[B*S, E]`.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    cached_length: int
     packed: bool
-    position_offset: int = 0  # position of the first prefix token (left padding in the stock trainer)
-    segment_lengths: list[int] = field(default_factory=list)  # packed layout: tokens per suffix
-    routes: torch.Tensor | None = None  # MoE routing replay: [layers, B, S, k] aligned with input_ids
-    router_logits: dict | None = None  # MoE: filled with each layer's router logits [B*S, E] when requested
+    position_offset: int = 0
+    segment_lengths: list[int] = field(default_factory=list)
+    routes: torch.Tensor | None = None
+    router_logits: dict | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -41,13 +58,26 @@ class Wave:
         return not self.packed
 
     def visible(self, window: int | None) -> torch.Tensor:
-        """Bool `[B, 1, S, P'+S]`: which keys each query attends to (cached per window, shared by layers)."""
+        """Which keys each query attends to: every cached prefix key and, causally, the real keys of its own
+        segment, within `window` if given. A padding query sees itself, so no softmax row is empty.
+
+        Args:
+            window: the layer's sliding window in tokens, or None.
+
+        Returns:
+            Bool `[B, 1, S, P'+S]` over the keys `[cached prefix ; wave]`, built once per window and shared by the
+            layers.
+        """
         if window not in self._masks:
             self._masks[window] = self._build(window)
         return self._masks[window]
 
     def key_geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Segment ids and positions of the keys `[cached prefix ; wave]`, prefix keys marked PREFIX."""
+        """Segment ids and positions of the keys `[cached prefix ; wave]`.
+
+        Returns:
+            `(segments, positions)`, each int64 `[B, P'+S]`; prefix keys have segment `PREFIX` (-2).
+        """
         batch, device = self.input_ids.shape[0], self.input_ids.device
         prefix_pos = self.position_offset + torch.arange(self.cached_length, device=device).expand(batch, -1)
         prefix_seg = torch.full_like(prefix_pos, PREFIX)
@@ -73,7 +103,14 @@ def _check_ids(name: str, ids: torch.Tensor) -> None:
 
 
 def right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a `[B, S]` 1/0 mask is right-padded (1...1 0...0)."""
+    """Whether every row of a mask is right-padded (1...1 0...0; an all-zero row counts).
+
+    Args:
+        mask: `[B, S]`, 1 / True for real tokens, any dtype.
+
+    Returns:
+        A Python bool (reads the device: one synchronisation).
+    """
     real = mask.bool()
     return not bool((real[:, 1:] & ~real[:, :-1]).any())
 
@@ -82,7 +119,23 @@ def padded_wave(
     last_prefix_token: torch.Tensor, suffix_ids: torch.Tensor, attention_mask, cached_length: int,
     position_offset: int = 0,
 ) -> Wave:
-    """Right-padded rows `[B, S]` (mask 1 = real token): one suffix per row."""
+    """Lay out right-padded suffixes, one per row, as a wave.
+
+    Args:
+        last_prefix_token: the prefix's last token id, `[1, 1]` (any shape of one element broadcast to `[B, 1]`).
+        suffix_ids: `[B, S]` int64/int32, `S >= 1`.
+        attention_mask: `[B, S]`, 1 / True for real tokens, right-padded; None: every token is real.
+        cached_length: `P'`, the prefix tokens in the cache.
+        position_offset: position of the first prefix token.
+
+    Returns:
+        A `Wave` with `input_ids [B, S]` = `[last_prefix_token, suffix_ids[:, :-1]]` per row, positions
+        `position_offset + cached_length + t`.
+
+    Raises:
+        PrefixFlowError: non-integer ids, `suffix_ids` not `[B, S]` with `S >= 1`, a mask of another shape, or a
+            mask that is not right-padded.
+    """
     _check_ids("suffix_ids", suffix_ids)
     if suffix_ids.dim() != 2 or suffix_ids.shape[1] == 0:
         raise PrefixFlowError(f"suffix_ids must be [B, S] with S >= 1, got shape {tuple(suffix_ids.shape)}.")
@@ -107,8 +160,15 @@ def padded_wave(
 
 
 def padded_segments(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Segment ids of a padded wave's inputs from its suffixes' right-padded mask `[B, S]` (1 = real token): input t
-    carries token t-1, input 0 the prefix's last token, always real."""
+    """Segment ids of a padded wave's inputs from its suffixes' mask: input `t` carries token `t-1`, input 0 the
+    prefix's last token, always real.
+
+    Args:
+        attention_mask: `[B, S]`, 1 / True for real suffix tokens, right-padded.
+
+    Returns:
+        int64 `[B, S]`: 0 for real inputs, `PADDING` (-1) for pad ones.
+    """
     real = attention_mask.bool()
     input_real = torch.cat([torch.ones_like(real[:, :1]), real[:, :-1]], dim=1)
     return torch.where(input_real, 0, PADDING)
@@ -117,7 +177,21 @@ def padded_segments(attention_mask: torch.Tensor) -> torch.Tensor:
 def packed_wave(
     last_prefix_token: torch.Tensor, suffixes: list[torch.Tensor], cached_length: int, position_offset: int = 0
 ) -> Wave:
-    """Many suffixes in one row `[1, sum(L_i)]`; each sees the whole prefix and causally only itself."""
+    """Lay out suffixes end to end in one row as a wave; each sees the whole prefix and, causally, only itself.
+
+    Args:
+        last_prefix_token: the prefix's last token id, one element (e.g. `[1, 1]`).
+        suffixes: n int64/int32 tensors of `L_i >= 1` ids each, flattened (`[L_i]` or `[1, L_i]`).
+        cached_length: `P'`, the prefix tokens in the cache.
+        position_offset: position of the first prefix token.
+
+    Returns:
+        A packed `Wave` of `[1, T]` tensors, `T = sum(L_i)`; suffix `i` is segment `i`, its positions restart at
+        `position_offset + cached_length`.
+
+    Raises:
+        PrefixFlowError: no suffixes, an empty suffix, or non-integer ids.
+    """
     if not suffixes:
         raise PrefixFlowError("packed() needs at least one suffix.")
     inputs, positions, segments, lengths = [], [], [], []

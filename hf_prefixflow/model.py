@@ -19,7 +19,17 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model inside DDP / DeepSpeed engines and PEFT (or similar) wrappers."""
+    """The transformers model inside DDP / DeepSpeed engines and PEFT (or similar) wrappers.
+
+    Args:
+        model: a `PreTrainedModel`, or wrappers of one that expose it as `.module` or `get_base_model()`.
+
+    Returns:
+        The innermost `PreTrainedModel` (the same object the wrappers hold).
+
+    Raises:
+        PrefixFlowError: no `PreTrainedModel` inside.
+    """
     while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -31,7 +41,14 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack (embeddings + layers, no LM head) that Phase A runs over the prefix."""
+    """The decoder stack (embeddings + layers, no LM head) that Phase A runs over the prefix.
+
+    Args:
+        model: a transformers model or a wrapper of one.
+
+    Returns:
+        `get_decoder()` of the unwrapped model, or its `base_model` when it has none.
+    """
     inner = unwrap(model)
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
     return decoder if decoder is not None else inner.base_model
@@ -52,7 +69,14 @@ def _check_rope(model: PreTrainedModel) -> None:
 
 
 def check_checkpointing(model: torch.nn.Module) -> None:
-    """Refuse reentrant activation checkpointing: its Phase A K/V carry no graph, so Phase C could not run."""
+    """Refuse reentrant activation checkpointing: its Phase A K/V carry no graph, so Phase C could not run.
+
+    Args:
+        model: the model as trained (wrappers included); every module with `gradient_checkpointing` on is checked.
+
+    Raises:
+        PrefixFlowError: a module checkpoints without `use_reentrant=False`.
+    """
     for name, module in model.named_modules():
         if not getattr(module, "gradient_checkpointing", False):
             continue
@@ -86,7 +110,12 @@ def _random_in_training(model: torch.nn.Module) -> list[str]:
 
 def warn_shared_randomness(model: torch.nn.Module) -> None:
     """Warn once per model that randomness drawn in training (dropout modules, MoE jitter) is drawn once per group
-    over the prompt."""
+    over the prompt, so the group's completions share those draws.
+
+    Args:
+        model: the model as trained; modules in training mode with dropout `p > 0` or a `NOISE_ATTRIBUTES` knob
+            above 0 count.
+    """
     inner = unwrap(model)
     if getattr(inner, "_prefixflow_dropout_warned", False):
         return
@@ -102,15 +131,28 @@ def warn_shared_randomness(model: torch.nn.Module) -> None:
 
 
 def config_of(model: torch.nn.Module) -> PrefixFlowConfig:
-    """The `PrefixFlowConfig` `apply_prefixflow` stored on `model` (the defaults if it stored none)."""
+    """The settings `apply_prefixflow` stored on `model`.
+
+    Args:
+        model: a transformers model or a wrapper of one.
+
+    Returns:
+        The stored `PrefixFlowConfig`, or a default one if none is stored.
+    """
     return getattr(unwrap(model), "_prefixflow_config", None) or PrefixFlowConfig()
 
 
 def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype gK/gV sum in across waves: the config's `kv_grad_dtype` if set, else the widest dtype of the
-    trainable parameters, the precision in which their own gradients accumulate across microbatches: bf16 for bf16
-    weights (the full-sequence baseline sums `param.grad` in bf16 too, and gK/gV take half the memory), fp32 under
-    autocast with fp32 weights or with PEFT's fp32 adapters."""
+    """The dtype gK/gV sum in across waves.
+
+    Args:
+        model: the model as trained; its trainable floating-point parameters are read.
+
+    Returns:
+        The config's `kv_grad_dtype` if set, else the widest dtype of the trainable parameters, the precision their
+        own gradients accumulate in across microbatches: bf16 for bf16 weights (as the full-sequence baseline's
+        `param.grad`), fp32 with fp32 weights under autocast or PEFT's fp32 adapters; fp32 with nothing trainable.
+    """
     setting = config_of(model).kv_grad_dtype
     if setting is not None:
         return setting
@@ -125,6 +167,10 @@ def apply_prefixflow(
 ) -> torch.nn.Module:
     """Switch `model` (a transformers decoder or a PEFT wrapper of one) to PrefixFlow's attention; returns it.
 
+    Idempotent. Outside a `prefix_group` the model computes exactly what it did before: the attention function
+    delegates to the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers also accept
+    recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
+
     Args:
         model: the model to train. Checked once, at the first call: token mixers other than attention, attention
             outside transformers' AttentionInterface and dynamic RoPE are refused (`PrefixFlowError`), and a tiny
@@ -134,9 +180,12 @@ def apply_prefixflow(
         offload, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of `PrefixFlowConfig`
             applied on top; `None` keeps the current value of each.
 
-    Idempotent. Outside a `prefix_group` the model computes exactly what it did before: the attention function
-    delegates to the implementation the model had (`sdpa`, `eager` or `flex_attention`). MoE routers also accept
-    recorded routes through the `prefixflow_routes` kwarg (see `hf_prefixflow.moe`).
+    Returns:
+        `model` itself, switched (its transformers model now holds the settings and a config object of its own).
+
+    Raises:
+        PrefixFlowError: an unsupported attention implementation, architecture or RoPE; a probe that fails, or that
+            could not run without `allow_unprobed`; invalid settings (see `PrefixFlowConfig`).
     """
     inner = unwrap(model)
     settings = (config or config_of(inner)).replace(
@@ -190,7 +239,18 @@ def _check_base(model: PreTrainedModel) -> None:
 
 def enable(model: torch.nn.Module) -> PreTrainedModel:
     """Switch the attention from `X` to `prefixflow_X` and let MoE routers replay; no architecture checks (used on
-    the probe's tiny copy). Returns the unwrapped model."""
+    the probe's tiny copy). Idempotent.
+
+    Args:
+        model: a transformers model or a wrapper of one, on attention `sdpa`, `eager` or `flex_attention`.
+
+    Returns:
+        The unwrapped model, switched.
+
+    Raises:
+        PrefixFlowError: another attention implementation, or a model that does not route attention through
+            transformers' `AttentionInterface`.
+    """
     inner = unwrap(model)
     current = inner.config._attn_implementation
     if not attention.is_wrapped(current):
@@ -212,7 +272,15 @@ def enable(model: torch.nn.Module) -> PreTrainedModel:
 @contextlib.contextmanager
 def checkpointing_suspended(model: PreTrainedModel):
     """Run the enclosed forward without transformers' per-layer activation checkpointing (its backward then uses
-    the saved activations: the same values, as non-reentrant checkpointing recomputes them exactly)."""
+    the saved activations: the same values, as non-reentrant checkpointing recomputes them exactly).
+
+    Args:
+        model: the unwrapped transformers model; layers with `gradient_checkpointing` on are switched off for the
+            block and back on after it.
+
+    Raises:
+        PrefixFlowError: the model holds torch `CheckpointWrapper`s, which this cannot suspend.
+    """
     if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
         raise PrefixFlowError(
             "suffix_checkpointing=False suspends transformers' layer checkpointing, but this model is wrapped in "

@@ -29,15 +29,29 @@ ROUTES_KWARG = "prefixflow_routes"
 @dataclass(frozen=True)
 class RouterAdapter:
     """How a router family turns its logits into the gate weights of given experts, as its own forward does, so
-    that replaying the experts it would pick reproduces its output: `gates(router, logits, experts, hidden)`."""
+    that replaying the experts it would pick reproduces its output.
+
+    Attributes:
+        gates: `gates(router, logits [T, E], experts [T, k], hidden) -> weights [T, k]`, with `hidden` the
+            router's input, the weights in the dtype the router's own forward returns.
+        jitter_attribute: the MoE block's noise knob, which replay requires off in training, or None.
+    """
 
     gates: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    jitter_attribute: str | None = None  # the MoE block's noise knob, which replay requires off
+    jitter_attribute: str | None = None
 
 
 def softmax_gates(normalize: Callable[[torch.nn.Module], bool], in_logit_dtype: bool) -> Callable:
-    """A float32 softmax over every expert, gathered at the experts and renormalised over them where `normalize`
-    says so, returned in the logits' dtype or in float32 (Qwen-MoE, OLMoE, Mixtral)."""
+    """A `RouterAdapter.gates` for softmax routers (Qwen-MoE, OLMoE, Mixtral): a float32 softmax over every expert,
+    gathered at the experts and renormalised over them where `normalize` says so.
+
+    Args:
+        normalize: `normalize(router)`: whether to renormalise over the chosen experts.
+        in_logit_dtype: return the weights in the logits' dtype; else float32.
+
+    Returns:
+        The gates function.
+    """
 
     def gates(router, logits, experts, hidden):
         scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, experts)
@@ -90,13 +104,24 @@ PUBLISHES = "_prefixflow_publishes_routes"  # set on the attention modules of la
 
 
 def register_router(class_name: str, adapter: RouterAdapter) -> None:
-    """Teach replay a new router class (a few lines per family: its gate weights for given experts)."""
+    """Teach replay a new router class (a few lines per family: its gate weights for given experts).
+
+    Args:
+        class_name: the router module's class name; modules of it are found by `routers`.
+        adapter: its gate weights for given experts.
+    """
     ADAPTERS[class_name] = adapter
 
 
 def publish(layer_idx: int, routes: torch.Tensor | None, sink: Callable | None = None) -> None:
     """Called by the attention function of `layer_idx`: the routes (or None) its MoE block must use next, and
-    where to hand that block's router logits (`sink(layer_idx, logits)`, for the load-balancing loss)."""
+    where to hand that block's router logits.
+
+    Args:
+        layer_idx: the decoder layer.
+        routes: the forward's `[layers, B, T, k]` routes, or None (the router routes itself).
+        sink: `sink(layer_idx, logits [B*T, E])`, for the load-balancing loss, or None.
+    """
     flat = None if routes is None else routes[layer_idx].reshape(-1, routes.shape[-1])
     _published[layer_idx] = (flat, sink)
 
@@ -131,7 +156,14 @@ def _router_hook(router: torch.nn.Module, args: tuple, output: tuple):
 
 
 def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, RouterAdapter]]:
-    """The known MoE routers of `model` with their decoder layer index."""
+    """The known MoE routers of `model` (classes in `ADAPTERS`).
+
+    Returns:
+        `(layer_idx, router, adapter)` per router, in module order.
+
+    Raises:
+        PrefixFlowError: a router whose module name holds no `layers.<i>.`.
+    """
     found = []
     for name, module in model.named_modules():
         adapter = ADAPTERS.get(type(module).__name__)
@@ -145,8 +177,15 @@ def routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module, RouterAd
 
 
 def enable_replay(model: torch.nn.Module) -> int:
-    """Make every known router replay published routes and report to recorders (idempotent); returns how many
-    routers there are. The router's own forward still runs; the hook swaps in the replayed output."""
+    """Make every known router replay published routes and report to recorders (idempotent). The router's own
+    forward still runs; a forward hook swaps in the replayed output.
+
+    Args:
+        model: the unwrapped transformers model.
+
+    Returns:
+        How many routers there are (0 for a dense model).
+    """
     found = routers(model)
     for layer_idx, router, _ in found:
         if not hasattr(router, "_prefixflow_layer"):
@@ -160,7 +199,12 @@ def enable_replay(model: torch.nn.Module) -> int:
 
 
 def check_replay_supported(model: torch.nn.Module) -> None:
-    """Refuse what replay cannot make exact: token-dropping capacity limits and router jitter in training."""
+    """Refuse what replay cannot make exact: token-dropping capacity limits and router jitter in training.
+
+    Raises:
+        PrefixFlowError: the config sets a capacity factor or expert capacity, or a module in training mode has
+            its jitter knob above 0.
+    """
     config = getattr(model, "config", None)
     if getattr(config, "capacity_factor", None) or getattr(config, "expert_capacity", None):
         raise PrefixFlowError("capacity-limited (token-dropping) MoE routing cannot be replayed; use dropless MoE.")
@@ -175,7 +219,15 @@ def check_replay_supported(model: torch.nn.Module) -> None:
 
 
 def check_routes(model: torch.nn.Module, routes: torch.Tensor) -> None:
-    """Replay data must name existing experts (one check per group or wave, not per router call)."""
+    """Check that replay data names existing experts (one check per group or wave, not per router call).
+
+    Args:
+        model: the unwrapped transformers model.
+        routes: integer expert indices of any shape; -1 marks a token not recorded.
+
+    Raises:
+        PrefixFlowError: the model has no supported router, or an index is outside `-1 .. num_experts - 1`.
+    """
     experts = getattr(model, "_prefixflow_num_experts", None)
     if experts is None:
         found = routers(model)
@@ -190,9 +242,17 @@ def load_balancing_loss(parts: list[tuple[dict[int, torch.Tensor], torch.Tensor]
                         top_k: int) -> torch.Tensor:
     """transformers' Switch load-balancing loss (`load_balancing_loss_func`) over weighted token sets.
 
-    `parts` holds (router logits per layer `[T, E]`, token weights `[T]`). A prefix computed once for n rows enters
-    with weight n, exactly as its n copies enter the full-sequence batch; the expert counts come from the logits'
-    own top-k, as in transformers, not from replayed routes.
+    A prefix computed once for n rows enters with weight n, exactly as its n copies enter the full-sequence batch;
+    the expert counts come from the logits' own top-k, as in transformers, not from replayed routes.
+
+    Args:
+        parts: `(router logits per layer {layer_idx: [T, E]}, token weights [T])` per token set (T may differ
+            between sets; weight 0 drops a token, e.g. padding).
+        num_experts: E.
+        top_k: experts per token.
+
+    Returns:
+        A scalar float32 tensor.
     """
     tokens = probs_sum = rows = 0.0
     for per_layer, weights in parts:
@@ -208,8 +268,15 @@ def load_balancing_loss(parts: list[tuple[dict[int, torch.Tensor], torch.Tensor]
 
 
 def wave_routes(prefix_routes: torch.Tensor, suffix_routes: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Routes of wave inputs `[p_last, s_0 .. s_{L-2}]` from the prefix's `[layers, P, k]` and each suffix's
-    `[layers, L_i, k]`: the prefix's last token keeps the shared prefix route."""
+    """Routes of wave inputs `[p_last, s_0 .. s_{L-2}]`: the prefix's last token keeps the shared prefix route.
+
+    Args:
+        prefix_routes: `[layers, P, k]`.
+        suffix_routes: one `[layers, L_i, k]` per suffix, aligned with its tokens.
+
+    Returns:
+        One `[layers, L_i, k]` per suffix, aligned with its wave inputs.
+    """
     last = prefix_routes[:, -1:]
     return [torch.cat([last, routes[:, :-1]], dim=1) for routes in suffix_routes]
 
@@ -221,11 +288,23 @@ class RoutingRecorder:
         self.calls: dict[int, list[torch.Tensor]] = {}
 
     def add(self, layer_idx: int, indices: torch.Tensor) -> None:
+        """Record one router call's top-k indices `[B*t, k]` for `layer_idx` (detached)."""
         self.calls.setdefault(layer_idx, []).append(indices.detach())
 
     def routes(self, batch_size: int, num_layers: int) -> torch.Tensor:
-        """`[num_layers, B, T, k]`: each call's tokens reshaped to `[B, t, k]` and joined along T (prefill, then
-        one call per decoded token). Layers without a router hold zeros."""
+        """The recorded routes, each call's tokens reshaped to `[B, t, k]` and joined along T (prefill, then one
+        call per decoded token).
+
+        Args:
+            batch_size: B, the rows every recorded call ran.
+            num_layers: the decoder's layer count.
+
+        Returns:
+            int64 `[num_layers, B, T, k]`; layers without a router hold zeros.
+
+        Raises:
+            PrefixFlowError: no router ran while recording.
+        """
         if not self.calls:
             raise PrefixFlowError("no router ran while recording; is this an MoE model with a supported router?")
         per_layer = {l: torch.cat([c.reshape(batch_size, -1, c.shape[-1]) for c in calls], dim=1)
@@ -239,7 +318,11 @@ class RoutingRecorder:
 
 @contextmanager
 def record_routing():
-    """Record the routing of every replay-enabled router that runs inside the block (without replay)."""
+    """Record the routing of every replay-enabled router that runs inside the block (without replay).
+
+    Yields:
+        A `RoutingRecorder`; read `recorder.routes(batch_size, num_layers)` after the block.
+    """
     recorder = RoutingRecorder()
     _recorders.append(recorder)
     try:

@@ -80,6 +80,7 @@ def is_multimodal(model: torch.nn.Module) -> bool:
 
 
 def family_of(model: torch.nn.Module) -> Family | None:
+    """The `Family` of `model`'s `config.model_type`, or None when PrefixFlow has no image probe for it."""
     return FAMILIES.get(unwrap(model).config.model_type)
 
 
@@ -106,8 +107,15 @@ def mark_towers(model: PreTrainedModel) -> None:
 
 
 def refusal(model: torch.nn.Module) -> str | None:
-    """Why the image prompts of `model` cannot share their prefix exactly, or None when they can (set by
-    `apply_prefixflow`)."""
+    """Why the image prompts of `model` cannot share their prefix exactly.
+
+    Args:
+        model: a transformers model or a wrapper of one.
+
+    Returns:
+        The reason as a sentence fragment, or None when they can (decided by `apply_prefixflow`; before it, a
+        reason that says to call it).
+    """
     inner = unwrap(model)
     if not is_multimodal(inner):
         return f"{type(inner).__name__} takes no images"
@@ -115,9 +123,18 @@ def refusal(model: torch.nn.Module) -> str | None:
 
 
 def check(model: PreTrainedModel) -> architecture.ProbeResult | None:
-    """`apply_prefixflow`'s check of image prompts: probe the architecture once and store the refusal, warned. A
-    prefix-LM's probe stands in for the text probe (which feeds no token types) and returns its result; a refused
-    prefix-LM is refused whole."""
+    """`apply_prefixflow`'s check of image prompts: probe the architecture once and store the refusal, warned.
+
+    Args:
+        model: the unwrapped transformers model.
+
+    Returns:
+        For a prefix-LM (PaliGemma), the probe's result, which stands in for the text probe (that feeds no token
+        types); else None (also for a model without images).
+
+    Raises:
+        PrefixFlowError: a prefix-LM whose image probe fails (refused whole).
+    """
     if not is_multimodal(model):
         return None
     reason, reach = probe(model)
@@ -138,8 +155,20 @@ class MultimodalRunner(GroupRunner):
     """Runs a group whose prompt holds images: Phase A through the multimodal forward over the whole prompt with
     the processor's tensors, the waves as text at the positions the full sequence gives them.
 
-    `inputs`: the processor's tensors for the one prompt (`pixel_values`, `image_grid_thw`, `token_type_ids` ...),
-    per-token ones `[P]` or `[1, P]`, on the model's device."""
+    Args:
+        group: the group, its prefix ids checked.
+        inputs: the processor's tensors for the one prompt (`pixel_values`, `image_grid_thw`, `token_type_ids` ...;
+            per-token ones `[P]` or `[1, P]`), on the model's device.
+
+    Attributes:
+        prefix_positions: Phase A's positions, `[1, P]`, or `[3, 1, P]` under multimodal RoPE.
+        rope_delta: `[1, 1]`, added to a wave's positions under multimodal RoPE, else None.
+
+    Raises:
+        PrefixFlowError: the model's image prompts are refused (`refusal`); a prefix-LM without `token_type_ids`;
+            an input the family does not take (videos, other modalities); a prompt ending with a placeholder
+            token; a non-tensor input, one on the wrong device, or a per-token one without one entry per token.
+    """
 
     def __init__(self, group: PrefixGroup, inputs: dict[str, torch.Tensor]):
         reason = refusal(group.model)
@@ -183,9 +212,14 @@ class MultimodalRunner(GroupRunner):
 
     def forward(self, group: PrefixGroup, module: torch.nn.Module, input_ids: torch.Tensor,
                 position_ids: torch.Tensor, **kwargs):
-        """Phase A runs the whole prompt (`group.prefix_ids`, see the module docstring) with its images through the
-        multimodal base (or the FSDP2 root given); a wave runs `input_ids [B, S]` at `position_ids [B, S]`, mapped
-        to 3-D positions `[3, B, S]` under multimodal RoPE."""
+        """Phase A: the whole prompt `group.prefix_ids [1, P]` with its images through the multimodal base (or
+        the FSDP2 root given), `input_ids` / `position_ids` ignored, each layer's K/V cached without the last
+        token's. A wave: `input_ids [B, S]` at `position_ids [B, S]`, mapped to `[3, B, S]` (plus the prompt's
+        rope delta) under multimodal RoPE.
+
+        Returns:
+            `module`'s output, as `GroupRunner.forward`.
+        """
         marker = kwargs.get(PASS_KWARG)
         if isinstance(marker, PrefixPass):
             if module is decoder_of(group.model):
@@ -234,7 +268,11 @@ TEXT_IDS = (3, VIDEO_ID)  # random text draws from [3, VIDEO_ID)
 
 def fit_images(config) -> None:
     """Shrink the image geometry of a (to be tiny) `config` in place: a few patches and tokens per image, and its
-    placeholder ids inside the tiny vocabulary (`architecture.tiny_config` keeps them above it)."""
+    placeholder ids inside the tiny vocabulary (`architecture.tiny_config` keeps them above it).
+
+    Args:
+        config: a config of a `FAMILIES` model type; modified in place.
+    """
     family = FAMILIES[config.model_type]
     for name in PLACEHOLDERS:
         if name in vars(config) or name in getattr(config, "attribute_map", {}):
@@ -259,7 +297,7 @@ def fit_images(config) -> None:
 
 
 def image_tokens(config, index: int) -> int:
-    """Placeholder tokens of the sample's image `index` (a fitted config)."""
+    """Placeholder tokens of the sample's image `index` under a `fit_images` config."""
     layout = FAMILIES[config.model_type].layout
     if layout == "grid":
         return 2 * (index + 2)  # grid [1, 4, 2(index+2)] merged 2x2: its positions span fewer than its tokens
@@ -270,8 +308,19 @@ def image_tokens(config, index: int) -> int:
 
 def sample_prompt(model: torch.nn.Module, gen: torch.Generator, images: int, text: int = 3
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A random prompt `[P]` with `images` images for a tiny model of a fitted config, and its processor tensors:
-    text, then per image its placeholder tokens and more text (so the prompt ends with text)."""
+    """A random prompt for a tiny model of a `fit_images` config: text, then per image its placeholder tokens and
+    more text (so the prompt ends with text).
+
+    Args:
+        model: the tiny model.
+        gen: the CPU generator to draw from.
+        images: how many images.
+        text: text tokens before the first image and after each.
+
+    Returns:
+        `(ids [P] int64, processor tensors)` on the CPU, the pixels in the model's floating dtype; per-token ones
+        `[P]`.
+    """
     inner = unwrap(model)
     config, family = inner.config, family_of(inner)
     dtype = next(p.dtype for p in inner.parameters() if p.is_floating_point())
@@ -305,7 +354,17 @@ def sample_prompt(model: torch.nn.Module, gen: torch.Generator, images: int, tex
 def full_inputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], rows: int, width: int
                 ) -> dict[str, torch.Tensor]:
     """One prompt's processor tensors for `rows` full sequences `[P || S]` of `width` tokens (the batch a plain
-    trainer runs): images repeated per row, per-token types extended over the completion."""
+    trainer runs): images repeated per row, per-token types extended over the completion.
+
+    Args:
+        model: the model (its family decides the layout).
+        inputs: the prompt's processor tensors, per-token ones `[P]` or `[1, P]`.
+        rows: full sequences in the batch.
+        width: tokens per full sequence, `>= P`.
+
+    Returns:
+        The batch's tensors; per-token ones `[rows, width]`.
+    """
     family = family_of(model)
     out = {}
     for name, tensor in inputs.items():
@@ -328,8 +387,15 @@ _probed: dict[tuple, tuple[str | None, architecture.ProbeResult | None]] = {}
 
 def probe(model: PreTrainedModel) -> tuple[str | None, architecture.ProbeResult | None]:
     """Train one group with two images on a tiny float64 copy of `model`'s architecture both ways (activation
-    checkpointing on). Returns why they differ (None if loss and every gradient, vision tower and projector
-    included, agree) and which layers need the kwargs bridge. Cached per model class and config."""
+    checkpointing on). Cached per model class, attention and config.
+
+    Args:
+        model: the unwrapped transformers model.
+
+    Returns:
+        `(reason, reach)`: why the two ways differ, or None if loss and every gradient (vision tower and projector
+        included) agree; and which layers need the kwargs bridge (None when no tiny copy was built).
+    """
     owner, config = type(model).__name__, model.config
     if config.model_type not in FAMILIES:
         return (f"PrefixFlow has no image probe for the {config.model_type!r} family of {owner} (it has one for "
@@ -345,7 +411,14 @@ def probe(model: PreTrainedModel) -> tuple[str | None, architecture.ProbeResult 
 
 def tiny_model(model_cls: type, config, attn: str = "sdpa", seed: int = 0) -> PreTrainedModel:
     """A float64 CPU model of `model_cls` on a tiny copy of `config` with a few patches per image
-    (`architecture.build_tiny` after `fit_images`)."""
+    (`architecture.build_tiny` after `fit_images`; `config` itself is left as it is).
+
+    Args:
+        model_cls: the model class.
+        config: a config of a `FAMILIES` model type.
+        attn: the attention implementation.
+        seed: the weights' seed.
+    """
     fitted = copy.deepcopy(config)
     fit_images(fitted)
     return architecture.build_tiny(model_cls, fitted, attn, seed)

@@ -7,8 +7,7 @@ goes on, and its device memory is released. A tensor saved by several ops (a lay
 projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts copying back
 the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand, so correctness
 never depends on overlap. A restored tensor has the strides it left with (cuDNN's attention backward returns wrong
-gradients for an output handed back in another layout: benchmarks/attention_layout.py) and is dropped after its last
-unpack, so Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a
+gradients for an output handed back in another layout: docs/offload.md) and is dropped after its last unpack, so Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a
 stand-in that exercises the bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
@@ -28,8 +27,8 @@ from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 # Prefetch the saves of this many decoder layers ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
-# layer's backward. Counted in layers, not in bytes: a fixed byte window held the whole stack of a short prefix on the
-# device at once, and an average layer's bytes fell short of one copied layer when the others are recomputed.
+# layer's backward. Counted in layers, so that a short prefix's whole stack is not brought back at once and a layer
+# copied among recomputed ones is still prefetched whole.
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
 class HostPool:
@@ -40,7 +39,14 @@ class HostPool:
     torch's pinned-memory cache, which other pinned allocations reuse). So prompts of changing lengths neither
     reallocate the pool every group nor grow it without bound. One side stream per device for every group: the
     caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's blocks in
-    another stream's cache."""
+    another stream's cache.
+
+    Args:
+        pin: allocate pinned host buffers (for CUDA devices).
+
+    Attributes:
+        allocated_bytes: bytes of every buffer the pool owns, taken or free.
+    """
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -51,7 +57,14 @@ class HostPool:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least `nbytes` (and at most twice that)."""
+        """Take a buffer until `give` returns it.
+
+        Args:
+            nbytes: bytes needed.
+
+        Returns:
+            A 1-D uint8 CPU tensor of `nbytes` to `2 * nbytes` bytes (pinned if the pool pins): a free one, else new.
+        """
         index = bisect.bisect_left(self.free, nbytes, key=torch.Tensor.numel)
         if index < len(self.free) and self.free[index].numel() <= 2 * nbytes:
             buffer = self.free.pop(index)
@@ -63,6 +76,7 @@ class HostPool:
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer `take` handed out."""
         bisect.insort(self.free, buffer, key=torch.Tensor.numel)
         self._out -= 1
 
@@ -76,6 +90,7 @@ class HostPool:
         self.free, self._taken = kept, set()
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The pool's copy stream for a CUDA `device`, created on first use and shared by every group."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
@@ -83,7 +98,8 @@ class HostPool:
 
 @dataclass(eq=False)
 class Offloaded:
-    """One saved tensor living on the host; `device_copy` is set once it is back (prefetched or loaded)."""
+    """One saved tensor living on the host (what `PrefixOffload.pack` returns for it); `device_copy` is set once
+    it is back (prefetched or loaded) and cleared after its last unpack."""
 
     index: int
     layer: int  # attention layers the prefix forward had run when this was saved
@@ -104,9 +120,11 @@ class Offloaded:
 
     @property
     def consumed(self) -> bool:
+        """Whether every saved-tensor slot sharing this copy has been unpacked."""
         return self.unpacked >= self.saves
 
     def host_view(self) -> torch.Tensor:
+        """The host copy, viewed with the saved tensor's shape, strides and dtype."""
         return self.host.view(self.dtype).as_strided(self.shape, self.stride)
 
 
@@ -114,7 +132,7 @@ def _layout(tensor: torch.Tensor) -> tuple[int, ...]:
     """The strides a restored copy of `tensor` gets: its own when its elements fill their span (any dimension
     order), else dense ones in the same dimension order. Kernels may depend on them: cuDNN's attention backward,
     handed its forward's output in another layout than that forward returned (the query's), returns wrong gradients
-    (on an H200, torch 2.11)."""
+    (docs/offload.md)."""
     return torch.empty_like(tensor, device="meta").stride()
 
 
@@ -152,7 +170,18 @@ def _check_version(saved_version: int, tensor: torch.Tensor | None) -> None:
 
 
 class PrefixOffload:
-    """Saved-tensor hooks for one or more prefix forwards, released after their Phase C."""
+    """Saved-tensor hooks for one or more prefix forwards, released after their Phase C.
+
+    Args:
+        device: the device whose saved tensors move; tensors elsewhere stay.
+        pool: the host pool to copy into (shared across groups); None: a pool of its own.
+        min_bytes: tensors smaller than this stay; None: `MIN_BYTES_ON_ACCELERATOR` on CUDA, 0 elsewhere.
+
+    Attributes:
+        caches: the `TrainingKVCache`s of the forwards hooked: their live tensors stay on the device, and their
+            layer count tags each saved tensor with its layer (for prefetching). The caller appends them.
+        offloaded_bytes: bytes copied to the host so far.
+    """
 
     def __init__(self, device: torch.device, pool: HostPool | None = None, min_bytes: int | None = None):
         self.device = torch.device(device)
@@ -166,6 +195,7 @@ class PrefixOffload:
         self._saved: dict[tuple, tuple[weakref.ref, Offloaded]] = {}  # see `_identity`
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager to run a prefix forward under: `with offload.hooks(): ...`."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def _eligible(self, tensor: torch.Tensor) -> bool:
@@ -180,8 +210,16 @@ class PrefixOffload:
         )
 
     def pack(self, tensor: torch.Tensor):
-        """Start moving `tensor` to the host; returns what `unpack` takes back (the tensor itself, detached, when it
-        stays: parameters, the cached K/V, small tensors)."""
+        """The pack hook: start moving a saved tensor to the host.
+
+        Args:
+            tensor: a tensor autograd saves for the backward.
+
+        Returns:
+            What `unpack` takes back: an `Offloaded` entry (shared when the same values were saved before), or a
+            `Stayed` holding the tensor detached (parameters and their autocast copies, leaves that require grad,
+            the cached K/V, tensors on another device or below `min_bytes`).
+        """
         if not self._eligible(tensor):
             # Detached: a node that saves its own output (rsqrt, softmax) would otherwise hold that output, whose
             # grad_fn is the node itself, a cycle through C++ that Python's collector never frees. Each group would
@@ -213,6 +251,12 @@ class PrefixOffload:
         return entry
 
     def unpack(self, packed):
+        """The unpack hook: the saved tensor back on its device, in its shape, strides and dtype; also starts
+        prefetching the layers before it.
+
+        Raises:
+            PrefixFlowError: the tensor was modified in place since it was saved.
+        """
         if isinstance(packed, Stayed):
             _check_version(packed.version, packed.tensor)
             return packed.tensor

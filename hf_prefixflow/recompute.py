@@ -33,10 +33,9 @@ from .attention import PASS_KWARG
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 
-# Prefix layers recomputed in Phase C instead of copied back. Measured on an H200 (Qwen3-1.7B shape, 10k/2k, N=16,
-# benchmarks/results/*memory*/ and their git history): copying every layer back cost 13-19% of step time,
-# recomputing all 0.5-15.5% (runs of the same code spread that widely), at the same Phase-B peak: a layer recomputes
-# faster than its activations cross PCIe. Models with more compute per activation byte may prefer a share below 1.
+# The share of prefix layers recomputed in Phase C instead of copied back under offload (the `prefix_recompute`
+# default): calibrated on GPU, where a layer recomputes faster than its activations cross PCIe (docs/offload.md,
+# docs/benchmarks.md).
 RECOMPUTE_SHARE = 1.0
 
 
@@ -48,6 +47,7 @@ def _spread(count: int, share: float) -> list[int]:
 
 
 def decoder_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The checkpointable decoder layers (`GradientCheckpointingLayer`s) of `decoder`, in module order."""
     return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -68,7 +68,15 @@ def _hooked(layer: torch.nn.Module) -> bool:
 def recomputed_layers(decoder: torch.nn.Module, share: float):
     """Checkpoint `share` of `decoder`'s layers for the enclosed prefix forward: compiled ones through
     `replay_layer`, the others with non-reentrant `torch.utils.checkpoint`; layers the user already checkpoints stay
-    as they are. Yields the attention `layer_idx` of every checkpointed layer."""
+    as they are. Restores every switched layer on exit.
+
+    Args:
+        decoder: the decoder stack (`model.decoder_of`).
+        share: the fraction of layers in [0, 1], evenly spaced and ending at the last layer.
+
+    Yields:
+        The set of attention `layer_idx` of every checkpointed layer in training mode (the user's included).
+    """
     layers = decoder_layers(decoder)
     switched = [layers[i] for i in _spread(len(layers), share) if not layers[i].gradient_checkpointing]
     if any(_compiled(layer) and _hooked(layer) for layer in switched):
@@ -101,7 +109,21 @@ def _layer_of(function: functools.partial) -> torch.nn.Module:
 # graph break in the layer's compiled call), since it calls the compiled layer itself.
 @compat.dynamo_disable
 def replay_layer(function: functools.partial, hidden: torch.Tensor, *args):
-    """Run a compiled prefix layer under `_LayerReplay`: no graph kept in Phase A, recomputed in Phase C."""
+    """The checkpoint function of a compiled prefix layer: run it under `_LayerReplay`, no graph kept in Phase A,
+    recomputed in Phase C.
+
+    Args:
+        function: transformers' checkpoint call, a `functools.partial` of the layer's forward with its kwargs
+            (the pass marker among them).
+        hidden: the layer's input hidden states `[B, T, d]`, the only input gradients flow through.
+        *args: the layer's other positional inputs.
+
+    Returns:
+        The layer's output, in its own structure.
+
+    Raises:
+        PrefixFlowError: another positional input requires grad.
+    """
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         raise PrefixFlowError("PrefixFlow's recompute of a compiled layer takes gradients through the hidden states "
                               "only; this layer gets another positional input that requires grad.")
@@ -214,8 +236,16 @@ RESIDUAL_MLP_LAYERS = frozenset({("transformers.models.llama.modeling_llama", "L
 
 
 def discardable_projection(layer: torch.nn.Module) -> torch.nn.Linear | None:
-    """The MLP's down projection of a `RESIDUAL_MLP_LAYERS` layer, else None: a plain `nn.Linear` with a plain weight,
-    no hooks that could read its output, and dynamo guarding on its class (it inlines modules, torch's default)."""
+    """The projection Phase C's recompute may leave uncomputed (`DiscardedLinear`).
+
+    Args:
+        layer: a decoder layer.
+
+    Returns:
+        The MLP's down projection of a `RESIDUAL_MLP_LAYERS` layer when it is a plain `nn.Linear` with a plain
+        weight, no hooks could read its output and dynamo guards on its class (it inlines modules, torch's
+        default); else None.
+    """
     mlp = getattr(layer, "mlp", None)
     down = getattr(mlp, "down_proj", None)
     plain = type(down) is torch.nn.Linear and type(down.weight) is torch.nn.Parameter
@@ -231,6 +261,7 @@ class DiscardedLinear(torch.nn.Linear):
     its backward runs (a third of the MLP's matrix multiplies). Inputs are cast as autocast casts a linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [..., in]` -> an uninitialised `[..., out]` whose backward is the linear's."""
         weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -264,19 +295,34 @@ class _DiscardedProduct(torch.autograd.Function):
 
 
 class AttentionReplay:
-    """Phase A's attention results of the recomputed layers, kept through `offload` for their Phase-C recompute."""
+    """Phase A's attention results of the recomputed layers, kept through `offload` for their Phase-C recompute.
+
+    Args:
+        layers: the attention `layer_idx` of the recomputed layers (what `recomputed_layers` yields).
+        offload: the group's `offload.PrefixOffload`: `pack` moves a tensor to the host, `unpack` brings it back.
+    """
 
     def __init__(self, layers: set[int], offload):
         self.layers = layers
-        self.offload = offload  # an `offload.PrefixOffload`: `pack` moves a tensor to the host, `unpack` brings it back
+        self.offload = offload
         self.kept: dict[int, tuple] = {}
         self.replayed: set[int] = set()
 
     def attend(self, module: torch.nn.Module, query, key, value, scale: float | None) -> torch.Tensor | None:
-        """Causal attention of one prefix `[1, H, P, D]` as `[1, P, Hq, D]`, replayed in this layer's recompute;
-        None when the layer is not recomputed or no kernel returns a log-sum-exp for these tensors. The replay runs
-        the backward of Phase A's kernel, whatever Phase C's context would pick (its state and log-sum-exp are that
-        kernel's)."""
+        """Causal attention over one prefix, computed in Phase A and replayed in this layer's Phase-C recompute.
+        The backward runs Phase A's kernel's, whatever Phase C's context would pick (the kept state and log-sum-exp
+        are that kernel's).
+
+        Args:
+            module: the attention module (its `layer_idx`).
+            query: `[1, H_q, T, D]`, post-RoPE, in the kernel's dtype.
+            key, value: `[1, H_kv, T, D]`, post-RoPE.
+            scale: softmax scale; None: `D ** -0.5`.
+
+        Returns:
+            `[1, T, H_q, D]`; None when the layer is not recomputed or no kernel returns a log-sum-exp for these
+            tensors (the caller then runs the base attention).
+        """
         layer = module.layer_idx
         if layer not in self.layers:
             return None
@@ -288,12 +334,18 @@ class AttentionReplay:
         return _ReplayedAttention.apply(query, key, value, scale, kernel, self, layer).transpose(1, 2)
 
     def keep(self, layer: int, out: torch.Tensor, lse: torch.Tensor, state: tuple, kernel) -> None:
+        """Phase A: keep a layer's attention output, log-sum-exp and kernel state (tensors through the offload).
+
+        Raises:
+            PrefixFlowError: the layer's attention was already replayed (recomputed twice, or a shared layer_idx).
+        """
         if layer in self.replayed:
             raise PrefixFlowError(f"layer {layer}'s prefix attention ran again after its Phase-C replay: a layer "
                                   "recomputed twice (or two modules sharing one layer_idx) is not supported.")
         self.kept[layer] = (self.offload.pack(out), self.offload.pack(lse), state, out.stride(), kernel)
 
     def take(self, layer: int) -> tuple | None:
+        """Phase C: a layer's kept `(out, lse, state, out_stride)`, back on the device, or None in Phase A."""
         kept = self.kept.pop(layer, None)
         if kept is None:
             return None

@@ -36,13 +36,28 @@ _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.
 
 @dataclass
 class PackedOutput:
-    """Output of a packed wave: `logits` is `[1, T, V]`; `split(x)` cuts any `[1, T, ...]` tensor per suffix."""
+    """The output of a packed wave (`PrefixGroup.packed`).
+
+    Attributes:
+        logits: `[1, T, V]`, `T = sum(L_i)`, the suffixes end to end in the order given; `logits[0, t]` predicts
+            the token at packed position `t`. None when the model's output has no `logits` (then read `raw`).
+        segment_lengths: `[L_1, ..., L_n]`, tokens per suffix.
+        raw: the model's own output object; its per-token fields are laid out like `logits`.
+    """
 
     logits: torch.Tensor | None
     segment_lengths: list[int]
     raw: object
 
     def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a packed tensor back per suffix.
+
+        Args:
+            tensor: `[1, T, ...]`, laid out like `logits` (logits, log-probs, labels ...).
+
+        Returns:
+            n views `[L_i, ...]`, one per suffix in the order given (the batch dimension dropped).
+        """
         return list(tensor[0].split(self.segment_lengths))
 
 
@@ -51,18 +66,63 @@ class GroupRunner:
     shards or splits them. The default runs the model (Phase B) or its decoder (Phase A) where its embeddings are."""
 
     def device(self, group: "PrefixGroup") -> torch.device:
-        """Where the group's inputs must be."""
+        """The device every input of `group` must be on (prefix and suffix ids, masks, processor tensors).
+
+        Returns:
+            The default: the device of the model's input embeddings.
+        """
         return group.hf_model.get_input_embeddings().weight.device
 
     def forward(self, group: "PrefixGroup", module: torch.nn.Module, input_ids: torch.Tensor,
                 position_ids: torch.Tensor, **kwargs):
-        """One forward: Phase A's (`module` the decoder, or the FSDP2 root) or a wave's (the model).
-        `input_ids`, `position_ids`: `[B, L]`; `kwargs` carry the pass marker and the model's own arguments."""
+        """Run one forward of `group`: Phase A's or a wave's.
+
+        Args:
+            group: the group the forward belongs to.
+            module: Phase A: `engines.prefix_module(model)` (the decoder, or the FSDP2 root); a wave: the model as
+                the group holds it (wrappers included).
+            input_ids: `[B, L]` int64 token ids: Phase A's prefix without its last token `[1, P-1]`, or a wave's
+                `Wave.input_ids`.
+            position_ids: `[B, L]` int64 absolute positions, aligned with `input_ids`.
+            **kwargs: the pass marker (`attention.PASS_KWARG`), MoE routes (`moe.ROUTES_KWARG`) and the model's own
+                keyword arguments, passed on to `module`.
+
+        Returns:
+            `module`'s output. Phase A reads `[0]`: the last hidden state `[1, P-1, d]` (logits when `module` is the
+            FSDP2 root); a wave's caller reads the model's output (`logits [B, L, V]`).
+        """
         return module(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
 
 class PrefixGroup:
-    """One shared prefix: its training-time KV cache and the suffix waves that read it."""
+    """One shared prefix: its training-time KV cache and the suffix waves that read it.
+
+    Built by `prefix_group` or `GroupSession.open`; validated at construction, opened (Phase A) by the session.
+
+    Args:
+        model: a model `apply_prefixflow` switched, or a DDP / DeepSpeed / PEFT wrapper of one.
+        prefix_ids: the shared prompt, `[P]` or `[1, P]` int64/int32 token ids, `P >= 1`, on `runner.device`
+            (the embeddings' device). Its last token is not cached: each wave re-reads it.
+        position_offset: position of the prefix's first token (non-zero when the stock path left-pads prompts).
+        routes: MoE routing replay, the prefix's recorded experts `[layers, P, k]` (int; -1: not recorded). Given
+            here, every wave must pass routes too.
+        collect_router_logits: keep the prefix's MoE router logits as cached leaves (`cache.router_logits`, one
+            `[P-1, E]` per MoE layer) for a load-balancing loss.
+        runner: how the forwards run (`GroupRunner`, the default); parallel rules pass their own.
+        prefix_inputs: an image prompt's processor tensors for this one prompt (`pixel_values`, `image_grid_thw`,
+            `token_type_ids` ...; per-token ones `[P]` or `[1, P]`), on the same device (see `multimodal`).
+
+    Attributes:
+        cache: the group's `TrainingKVCache`, `prefix_length = P - 1`.
+        suffix_checkpointing: None follows the model's `PrefixFlowConfig.suffix_checkpointing`; a bool overrides it
+            for this group's waves.
+
+    Raises:
+        PrefixFlowError: the model was not switched by `apply_prefixflow`; `prefix_ids` is not an integer tensor of
+            shape `[P]` / `[1, P]` with `P >= 1`; an input is on the wrong device; `routes` has the wrong shape or
+            names unknown experts; an image prompt with a custom runner, with routes, or on a model whose image
+            prompts are refused (`multimodal.refusal`).
+    """
 
     def __init__(
         self, model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0,
@@ -220,7 +280,21 @@ class PrefixGroup:
                 self._check_device(tensor, "suffix ids")
 
     def run_wave(self, wave: Wave, **model_kwargs):
-        """Forward one prepared wave through the model (kwargs such as TRL's `shift_labels` pass through)."""
+        """Forward one prepared wave through the model under this group's cache.
+
+        Args:
+            wave: a wave of this group (`padded_wave`, or `layouts.packed_wave` with this group's geometry).
+            **model_kwargs: passed to the model unchanged (e.g. TRL's `shift_labels`, `fused_lm_head`).
+
+        Returns:
+            The model's output for `wave.input_ids [B, S]`: `logits [B, S, V]`, where `logits[:, t]` predicts the
+            suffix token at wave position `t`.
+
+        Raises:
+            PrefixFlowError: `model_kwargs` sets one of `input_ids`, `position_ids`, `attention_mask`,
+                `past_key_values`, `cache` or the PrefixFlow kwargs (the group sets them); and, from the attention,
+                a wave under another dtype, device or autocast than Phase A, attention dropout, `output_attentions`.
+        """
         reserved = {"position_ids", "attention_mask", "past_key_values", "cache", "input_ids", PASS_KWARG, ROUTES_KWARG}
         clash = reserved & model_kwargs.keys()
         if clash:
@@ -236,8 +310,22 @@ class PrefixGroup:
     def padded_wave(
         self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: torch.Tensor | None = None
     ) -> Wave:
-        """Lay out right-padded `suffix_ids [B, S]` as a wave of this group (see `layouts.padded_wave`); MoE
-        `routes [layers, B, S, k]` replay each suffix token's recorded experts."""
+        """Lay out right-padded suffixes as a wave of this group, without running it (see `layouts.padded_wave`).
+
+        Args:
+            suffix_ids: `[B, S]` int64/int32 completion ids, right-padded, `S >= 1`, on the group's device.
+            attention_mask: `[B, S]`, 1 (or True) for real tokens, right-padded; None: every token is real.
+            routes: MoE routing replay, `[layers, B, S, k]` int (or a list of B `[layers, S, k]`), each suffix
+                token's recorded experts; required exactly when the group has prefix routes.
+
+        Returns:
+            A `Wave` with `input_ids [B, S]` = the prefix's last token, then `suffix_ids[:, :-1]`.
+
+        Raises:
+            PrefixFlowError: the group is not open; an input on the wrong device; non-integer ids, a shape other
+                than `[B, S]`, a mask of another shape or not right-padded; routes given to a group without prefix
+                routes or missing on one with them, of another count than B, or naming unknown experts.
+        """
         self._check_wave_inputs([suffix_ids, attention_mask])
         wave = padded_wave(
             self.prefix_ids[:, -1:], suffix_ids, attention_mask, self.cache.prefix_length, self.position_offset
@@ -249,12 +337,41 @@ class PrefixGroup:
 
     def __call__(self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes=None,
                  **model_kwargs):
-        """A padded wave: right-padded `suffix_ids [B, S]`; `logits[:, t]` predicts `suffix_ids[:, t]`."""
+        """Run a padded wave: `padded_wave` then `run_wave`.
+
+        Args:
+            suffix_ids: `[B, S]` int64/int32 completion ids, right-padded, on the group's device.
+            attention_mask: `[B, S]`, 1 for real tokens (right-padded); None: all real.
+            routes: MoE only, `[layers, B, S, k]` recorded experts (see `padded_wave`).
+            **model_kwargs: passed to the model (see `run_wave`).
+
+        Returns:
+            The model's output; `logits [B, S, V]`, `logits[:, t]` predicts `suffix_ids[:, t]` exactly as position
+            `P-1+t` of `[P || S]` does. Positions past a row's length are padding.
+
+        Raises:
+            PrefixFlowError: see `padded_wave` and `run_wave`.
+        """
         return self.run_wave(self.padded_wave(suffix_ids, attention_mask, routes), **model_kwargs)
 
     def packed(self, suffixes: list[torch.Tensor], routes: list[torch.Tensor] | None = None, **model_kwargs):
-        """A packed wave: the suffixes laid end to end in one row; `split()` the outputs back per suffix. MoE
-        `routes`: one `[layers, L_i, k]` per suffix."""
+        """Run a packed wave: the suffixes end to end in one row, each attending to the prefix and causally to
+        itself only; no padding.
+
+        Args:
+            suffixes: n int64/int32 tensors of `L_i >= 1` token ids each (flattened, so `[L_i]` or `[1, L_i]`),
+                on the group's device.
+            routes: MoE only, one `[layers, L_i, k]` of recorded experts per suffix.
+            **model_kwargs: passed to the model (see `run_wave`); per-token ones laid out packed, `[1, T]`.
+
+        Returns:
+            A `PackedOutput`: `logits [1, T, V]`, `T = sum(L_i)`; `out.split(out.logits)[i][t]` predicts
+            `suffixes[i][t]`.
+
+        Raises:
+            PrefixFlowError: the group is not open; no suffixes, an empty one, non-integer ids; an input on the
+                wrong device; routes as in `padded_wave`; and see `run_wave`.
+        """
         self._check_wave_inputs(suffixes)
         wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length, self.position_offset)
         per_suffix = self._suffix_routes(routes, len(suffixes))
@@ -284,7 +401,14 @@ class PrefixGroup:
 
 
 class GroupSession:
-    """Prefix groups open on one model: open them one by one, close any subset with one delayed prefix backward."""
+    """Prefix groups open on one model: open them one by one, close any subset with one delayed prefix backward.
+
+    At most one session (or `prefix_group`) is open per model; `with GroupSession(model) as session:` calls `start`
+    and `finish`.
+
+    Args:
+        model: a model `apply_prefixflow` switched, or a wrapper of one (the one the groups are built on).
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -293,8 +417,15 @@ class GroupSession:
         self._entered = False
 
     def start(self) -> "GroupSession":
-        """Open the session: from here until `finish`, groups open and close on the model (an accumulation window
-        of a trainer). `with GroupSession(model) as session:` calls both."""
+        """Open the session: from here until `finish`, groups open and close on the model (a trainer's
+        accumulation window).
+
+        Returns:
+            The session itself.
+
+        Raises:
+            PrefixFlowError: the session was started before, or another session or group is open on this model.
+        """
         if self._entered:
             raise PrefixFlowError("a prefix group (or session) is entered once; open a new one for the next prompt.")
         if self._inner in _sessions:
@@ -308,14 +439,35 @@ class GroupSession:
 
     def open(self, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
              collect_router_logits: bool = False, **prefix_inputs: torch.Tensor) -> PrefixGroup:
-        """Phase A for one more prefix; returns its group. `collect_router_logits` keeps the prefix's MoE router
-        logits as cached leaves (`group.cache.router_logits`) for a load-balancing loss. `prefix_inputs`: an image
-        prompt's processor tensors (see `prefix_group`)."""
+        """Build a `PrefixGroup` and run its Phase A (`add`).
+
+        Args:
+            prefix_ids, position_offset, routes, collect_router_logits: see `PrefixGroup`.
+            **prefix_inputs: an image prompt's processor tensors (see `prefix_group`).
+
+        Returns:
+            The open group.
+
+        Raises:
+            PrefixFlowError: see `PrefixGroup` and `add`.
+        """
         return self.add(PrefixGroup(self.model, prefix_ids, position_offset, routes, collect_router_logits,
                                     prefix_inputs=prefix_inputs))
 
     def add(self, group: PrefixGroup) -> PrefixGroup:
-        """Phase A for a group built beforehand (validated at construction)."""
+        """Run Phase A for a group built beforehand: the prefix forward once, its K/V cached. Training (grad
+        enabled) captures a graph for Phase C; under `torch.no_grad()` the group only scores.
+
+        Args:
+            group: a new `PrefixGroup` on this session's model.
+
+        Returns:
+            `group`, now open. If Phase A fails, the group is freed and the error propagates.
+
+        Raises:
+            PrefixFlowError: the session is not open; the group was opened before; reentrant activation
+                checkpointing (the K/V would carry no graph); routing replay the model cannot make exact.
+        """
         if _sessions.get(self._inner) is not self:
             raise PrefixFlowError("this session is not open; use it as `with GroupSession(model) as session:`.")
         try:
@@ -327,7 +479,20 @@ class GroupSession:
         return group
 
     def adopt(self, group: PrefixGroup, cache: TrainingKVCache) -> PrefixGroup:
-        """Open `group` on another rank's prefix K/V (`cache`) instead of running Phase A here."""
+        """Open `group` on prefix K/V computed elsewhere (another rank's Phase A) instead of running Phase A here;
+        closing it runs no Phase C on this rank.
+
+        Args:
+            group: a new `PrefixGroup` on this session's model.
+            cache: a `TrainingKVCache` whose leaves hold the prefix K/V `[1, H_kv, P-1, D]` per layer, on this
+                rank's device; its gK/gV are left in `cache` for the caller to send back.
+
+        Returns:
+            `group`, now open.
+
+        Raises:
+            PrefixFlowError: the session is not open, or the group was opened before.
+        """
         if _sessions.get(self._inner) is not self:
             raise PrefixFlowError("this session is not open; use it as `with GroupSession(model) as session:`.")
         group._adopt(cache)
@@ -335,8 +500,19 @@ class GroupSession:
         return group
 
     def close(self, groups: list[PrefixGroup] | None = None, backward=None) -> int:
-        """Phase C for `groups` (default: all open ones): one backward through their prefix graphs, then free them.
-        `backward(outputs, grads)` replaces autograd's (see `kv_cache.delayed_backward`); returns the tensors fed."""
+        """Phase C for `groups`: one backward through all their prefix graphs, fed by their gK/gV; then free them.
+
+        Args:
+            groups: open groups of this session; None: every open one.
+            backward: `backward(outputs, grads)` to run instead of `torch.autograd.backward` (see
+                `kv_cache.delayed_backward`); None: autograd's.
+
+        Returns:
+            How many cached tensors fed the backward (0: nothing trained, e.g. scoring groups).
+
+        Raises:
+            PrefixFlowError: a training group received no suffix backward (nothing is freed; `finish` frees it).
+        """
         closing = list(self.groups) if groups is None else list(groups)
         caches = [g.cache for g in closing if g._needs_prefix_backward()]
         try:
@@ -347,7 +523,14 @@ class GroupSession:
             self.groups = [g for g in self.groups if g not in closing]
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Close the session: Phase C for the groups still open (none if `error`: they are only freed)."""
+        """Close the session: Phase C for the groups still open, then free them and release the model.
+
+        Args:
+            error: the exception that ends the session, if any; then no Phase C runs, the groups are only freed.
+
+        Raises:
+            PrefixFlowError: see `close`.
+        """
         try:
             if error is None:
                 self.close()
@@ -386,11 +569,28 @@ def prefix_group(
     model: torch.nn.Module, prefix_ids: torch.Tensor, position_offset: int = 0, routes: torch.Tensor | None = None,
     **prefix_inputs: torch.Tensor,
 ) -> _SingleGroup:
-    """Open one group over a shared prefix (`[P]` or `[1, P]`) as a context manager; it yields the `PrefixGroup`.
+    """Open one group over a shared prefix as a context manager: Phase A on entry, Phase C on a clean exit.
 
-    `position_offset` is the position of the prefix's first token (0 unless the stock path left-pads prompts).
-    `routes` (MoE models) is the prefix's recorded routing `[layers, P, k]`, replayed in Phases A and C.
-    `prefix_inputs`: an image prompt's processor tensors for this one prompt (`pixel_values`, `image_grid_thw`,
-    `token_type_ids` ...): Phase A runs the vision tower and the image tokens once (see `hf_prefixflow.multimodal`).
+        with prefix_group(model, prefix_ids) as group:
+            out = group(suffix_ids, attention_mask=mask)   # logits [B, S, V]
+            loss_fn(out.logits).backward()
+
+    Args:
+        model: a model `apply_prefixflow` switched, or a DDP / DeepSpeed / PEFT wrapper of one.
+        prefix_ids: `[P]` or `[1, P]` int64/int32 token ids, on the device of the model's embeddings.
+        position_offset: position of the prefix's first token (0 unless the stock path left-pads prompts).
+        routes: MoE only, the prefix's recorded experts `[layers, P, k]` (int, -1: not recorded), replayed in
+            Phases A and C; each wave then passes its own.
+        **prefix_inputs: an image prompt's processor tensors for this one prompt (`pixel_values`, `image_grid_thw`,
+            `token_type_ids` ...): Phase A runs the vision tower and the image tokens once (see `multimodal`).
+
+    Returns:
+        A context manager whose `__enter__` returns the open `PrefixGroup`. Exiting with an exception frees the
+        group without Phase C.
+
+    Raises:
+        PrefixFlowError: at the call, bad inputs (see `PrefixGroup`); on entry, another group open on the model or
+            a refused setting (see `GroupSession.add`); on exit, a training group closed without any suffix
+            backward.
     """
     return _SingleGroup(model, prefix_ids, position_offset, routes, prefix_inputs)

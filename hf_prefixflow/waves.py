@@ -32,14 +32,34 @@ def _measured(device: torch.device, record) -> Iterator[None]:
 
 
 def free_device_bytes(device: torch.device) -> int:
-    """What the next allocations can use: free device memory plus the caching allocator's unused blocks (a cap
-    set with torch.cuda.set_per_process_memory_fraction is not reflected: pass `budget_bytes` then)."""
+    """Bytes the next allocations on a CUDA device can use: free device memory plus the caching allocator's
+    reserved but unallocated blocks. A cap set with `torch.cuda.set_per_process_memory_fraction` is not reflected
+    (give `AutoWaves` a `budget_bytes` then).
+
+    Args:
+        device: a CUDA device.
+
+    Returns:
+        The byte count.
+    """
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def rows_that_fit(row_bytes: float, budget_bytes: float, rows: int) -> int:
-    """How many rows of `row_bytes` each fit in `budget_bytes` (at most `rows`); an error if not even one does."""
+    """How many rows of `row_bytes` each fit in `budget_bytes`.
+
+    Args:
+        row_bytes: one row's estimated working set, > 0.
+        budget_bytes: the bytes a wave may use.
+        rows: the rows left; the result is at most this.
+
+    Returns:
+        The wave size, in `[1, rows]`.
+
+    Raises:
+        PrefixFlowError: `row_bytes <= 0`, or not even one row fits.
+    """
     if row_bytes <= 0:
         raise PrefixFlowError(f"the per-row estimate must be positive, got {row_bytes}.")
     count = min(rows, int(budget_bytes // row_bytes))
@@ -55,11 +75,23 @@ def rows_that_fit(row_bytes: float, budget_bytes: float, rows: int) -> int:
 class AutoWaves:
     """Splits a group's suffix rows into the largest waves that fit in device memory.
 
-    `row_bytes`: one row's working set at `reference` = (suffix width, prefix length); measured on the first
-    group that has two rows or more unless given (required on the CPU, which has no allocator statistics).
-    Another width or prefix length scales it by the larger of the two ratios: an upper bound for any cost that
-    grows linearly in each (a row's activations in its width, its copy of the prefix K/V in the prefix length).
-    `budget_bytes`: a fixed budget per wave, or None for `headroom` x the device's free memory at each wave.
+    Reuse one instance across groups: the per-row estimate measured on one group serves the later ones, scaled to
+    their widths and prefix lengths.
+
+    Args:
+        row_bytes: one row's working set in bytes at `reference`; None: measured on the first group with two rows
+            or more (CUDA only: the CPU has no allocator statistics). Another width or prefix length scales it by
+            the larger of the two ratios, an upper bound for costs linear in each.
+        reference: `(suffix width, prefix length)` in tokens at which `row_bytes` holds; given with `row_bytes`.
+        budget_bytes: a fixed byte budget per wave; None: `headroom` x `free_device_bytes` when each wave starts
+            (CUDA only).
+        headroom: the fraction of free memory a wave may use, in (0, 1].
+
+    Attributes:
+        sizes: every wave's row count so far, in order (for logging).
+
+    Raises:
+        PrefixFlowError: `row_bytes` without `reference` or the reverse; `headroom` outside (0, 1].
     """
 
     def __init__(self, row_bytes: float | None = None, reference: tuple[int, int] | None = None,
@@ -75,11 +107,30 @@ class AutoWaves:
         self.sizes: list[int] = []  # every wave's size so far, for logging
 
     def estimate(self, width: int, prefix_length: int) -> float:
-        """Bytes one row of this suffix width and prefix length is expected to need."""
+        """Bytes one row is expected to need (requires `row_bytes`, given or measured).
+
+        Args:
+            width: the wave's suffix width in tokens (its widest row's length).
+            prefix_length: the group's prefix length in tokens.
+
+        Returns:
+            `row_bytes` scaled by the larger of `width / reference[0]` and `prefix_length / reference[1]`.
+        """
         ref_width, ref_prefix = self.reference
         return self.row_bytes * max(width / max(ref_width, 1), prefix_length / max(ref_prefix, 1))
 
     def budget(self, device: torch.device) -> float:
+        """Bytes the next wave may use on `device`.
+
+        Args:
+            device: the group's device.
+
+        Returns:
+            `budget_bytes` if given, else `headroom` x `free_device_bytes(device)`, read now.
+
+        Raises:
+            PrefixFlowError: no `budget_bytes` and `device` is not CUDA.
+        """
         if self.budget_bytes is not None:
             return self.budget_bytes
         if device.type != "cuda":
@@ -90,7 +141,24 @@ class AutoWaves:
         return self.headroom * free_device_bytes(device)
 
     def waves(self, lengths: Sequence[int], prefix_length: int, device: torch.device | str) -> Iterator[list[int]]:
-        """Yield lists of row indices (widest rows first); run each wave in the loop body before the next."""
+        """Yield the waves of one group as lists of row indices, widest rows first.
+
+        Run each wave (its forward, and its backward if the loop body does one) before asking for the next: the
+        next wave's size reads the memory free then, and without `row_bytes` the first two waves are single rows,
+        the second one measured.
+
+        Args:
+            lengths: `[N]` suffix lengths in tokens, one per row (a sequence of ints or a 1-D tensor).
+            prefix_length: the group's prefix length in tokens.
+            device: the group's device.
+
+        Yields:
+            Lists of row indices into `lengths`; together they cover every row exactly once.
+
+        Raises:
+            PrefixFlowError: a non-CUDA device without `row_bytes` (and `budget_bytes`); one row needs more than
+                the budget.
+        """
         device = torch.device(device)
         order = sorted(range(len(lengths)), key=lambda row: -int(lengths[row]))
         while order:
