@@ -1,7 +1,8 @@
 from setuptools import setup
 
-# Tested ends: torch 2.11 (GPU image) and 2.13 (CPU); transformers 5.17 (GPU image) and 5.24 (CPU).
-TRL = ["trl>=1.16,<1.17", "accelerate>=1.15,<1.16", "peft>=0.17,<0.22", "datasets>=3"]
+# Tested ends: torch 2.11 (GPU image) and 2.13 (CPU); transformers 5.17 (GPU image, CPU) and 5.24 (CPU); TRL 1.14.1
+# (CI's second venv, with transformers 5.17) and 1.16. TRL 1.15.0 scores through a Triton-only kernel: GPU only.
+TRL = ["trl>=1.14.1,<1.17", "accelerate>=1.15,<1.16", "peft>=0.17,<0.22", "datasets>=3"]
 EXAMPLES = TRL + ["matplotlib>=3.7", "pillow>=10"]
 DEEPSPEED = ["deepspeed>=0.19,<0.20"]
 

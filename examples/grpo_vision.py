@@ -64,6 +64,8 @@ def run(name: str, args, processor, model, dataset) -> list[dict]:
         per_device_train_batch_size=args.batch_size, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, logging_steps=1, report_to="none", save_strategy="no",
         bf16=False, seed=0, temperature=1.0, beta=0.0,
+        # A sampled image token would mismatch the image features: TRL 1.16 suppresses it itself, 1.14 and 1.15 not.
+        generation_kwargs={"suppress_tokens": [model.config.image_token_id]},
     )
     trainer = TRAINERS[name](model=model, reward_funcs=synthetic_vision.shape_reward, args=config,
                              train_dataset=dataset, processing_class=processor)

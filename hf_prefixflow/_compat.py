@@ -7,11 +7,14 @@ library upgrade that moves one fails one clear test instead of a training run.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: F401 - re-exported
+from transformers.utils import ModelOutput
 
 # -- torch ------------------------------------------------------------------------------------------------------
 
@@ -100,7 +103,17 @@ def set_sync_gradients(accelerator, value: bool) -> None:
 
 # -- TRL --------------------------------------------------------------------------------------------------------
 
-# `trl.GRPOTrainer` methods `PrefixFlowGRPOTrainer` overrides or calls (name -> parameters after self).
+# TRL releases PrefixFlowGRPOTrainer supports, [first, end) (setup.py pins the same). 1.14.0 is left out: its
+# `_generate_single_turn` has no `num_generations` (1.14.1 added it, with the fix that a tool call's later turns
+# generate one completion per row), which the override and its MoE routing replay read.
+TRL_SUPPORTED = ("1.14.1", "1.17")
+
+_LOGPS_PARAMETERS = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                     "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                     "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+                     "image_position_ids")
+
+# `trl.GRPOTrainer` methods `PrefixFlowGRPOTrainer` overrides or calls (name -> parameters after self), TRL 1.15 on.
 GRPO_TRAINER_PRIVATE = {
     "_build_accelerator_args": None,  # None: any signature (it forwards **kwargs)
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
@@ -108,9 +121,108 @@ GRPO_TRAINER_PRIVATE = {
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
     "_prepare_inputs": ("generation_batch",),
-    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
-                                           "compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw",
-                                           "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                                           "image_sizes", "token_type_ids", "mm_token_type_ids",
-                                           "image_position_ids"),
+    "_get_per_token_logps_and_entropies": _LOGPS_PARAMETERS,
 }
+# TRL 1.14: `_get_per_token_logps_and_entropies(model, *args, batch_size, compute_aux_loss, **kwargs)` hands its
+# arguments to `_full_logits_logps` (1.15's parameters); the trainer calls it with keywords past `logits_to_keep`.
+GRPO_TRAINER_PRIVATE_1_14 = {
+    **GRPO_TRAINER_PRIVATE,
+    "_get_per_token_logps_and_entropies": ("model", "args", "batch_size", "compute_aux_loss", "kwargs"),
+    "_full_logits_logps": _LOGPS_PARAMETERS,
+}
+# TRL 1.14 functions (`trl.trainer.utils`) the fused-LM-head stand-in scores with (name -> parameters).
+TRL_1_14_SCORING = {
+    "selective_log_softmax": ("logits", "index", "temperature", "row_mask"),
+    "selective_log_softmax_and_entropy": ("logits", "index", "entropy_requires_grad", "temperature", "row_mask"),
+}
+
+
+def trl_version():
+    import trl
+    from packaging.version import Version
+
+    return Version(trl.__version__)
+
+
+def trl_supported(version=None) -> bool:
+    """Whether TRL `version` (default: the installed one) is in `TRL_SUPPORTED`."""
+    from packaging.version import Version
+
+    version = trl_version() if version is None else Version(str(version))
+    return Version(TRL_SUPPORTED[0]) <= version < Version(TRL_SUPPORTED[1])
+
+
+def grpo_trainer_private(version=None) -> dict:
+    """`GRPO_TRAINER_PRIVATE` as TRL `version` (default: the installed one) has it."""
+    from packaging.version import Version
+
+    version = trl_version() if version is None else Version(str(version))
+    return GRPO_TRAINER_PRIVATE_1_14 if version < Version("1.15") else GRPO_TRAINER_PRIVATE
+
+
+def trl_fused_lm_head() -> Callable | None:
+    """TRL's `add_fused_lm_head` (1.15 on), which `GRPOTrainer.__init__` applies to its models; None before."""
+    import trl.trainer.utils
+
+    return getattr(trl.trainer.utils, "add_fused_lm_head", None)
+
+
+def add_fused_lm_head(trainer) -> None:
+    """Give the trainer's models TRL's fused-LM-head call, which the suffix waves (and the MoE-replay and SP
+    forwards) use: `model(..., labels=... or shift_labels=..., fused_lm_head=True)` returns `log_probs` (and
+    `entropy`) of each label, zero where it is -100. TRL 1.15 on adds it in `GRPOTrainer.__init__`. TRL 1.14 scores
+    full logits instead, so there the same call scores the model's logits through TRL 1.14's own
+    `selective_log_softmax(_and_entropy)` at the trainer's temperature: the stock trainer's computation."""
+    if trl_fused_lm_head() is not None:
+        return
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    logits_lm_head(model, trainer.temperature, ("log_probs", "entropy"), trainer._entropy_bonus_enabled)
+    if trainer.ref_model is not None:
+        logits_lm_head(trainer.ref_model, trainer.temperature)
+
+
+@dataclass
+class FusedLMHeadOutput(ModelOutput):
+    """The fields of TRL's `FusedCausalLMOutput` that `logits_lm_head` fills."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def logits_lm_head(model: torch.nn.Module, temperature: float = 1.0, outputs: tuple[str, ...] = ("log_probs",),
+                   entropy_requires_grad: bool = True) -> None:
+    """TRL 1.15's `add_fused_lm_head(model, temperature, outputs=...)` call contract, computed from the model's own
+    logits (TRL 1.14's scoring); without `fused_lm_head=True` the forward is the model's own."""
+    from trl.trainer.utils import selective_log_softmax, selective_log_softmax_and_entropy
+
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # `generate` validates its model kwargs against this signature
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            extra = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return original_forward(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+        kwargs["use_cache"] = False
+        out = original_forward(*args, **kwargs)
+        logits = out.logits
+        if shift_labels is None:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        labels = labels.to(logits.device)
+        mask = labels != -100
+        index = labels.masked_fill(~mask, 0)
+        entropy = None
+        if "entropy" in outputs:
+            log_probs, entropy = selective_log_softmax_and_entropy(
+                logits, index, entropy_requires_grad=entropy_requires_grad, temperature=temperature, row_mask=mask)
+        else:
+            log_probs = selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedLMHeadOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                 label_mask=mask, aux_loss=getattr(out, "aux_loss", None))
+
+    model.forward = types.MethodType(forward, model)

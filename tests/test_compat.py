@@ -1,6 +1,7 @@
 """Every private or version-dependent API of another library that PrefixFlow touches (`hf_prefixflow._compat`)
 still exists with the signature PrefixFlow relies on: an upgrade that moves one fails here, by name."""
 
+import copy
 import inspect
 
 import pytest
@@ -73,11 +74,61 @@ def test_accelerate_gradient_state():
 def test_grpo_trainer_private_methods():
     import trl
 
-    for name, expected in _compat.GRPO_TRAINER_PRIVATE.items():
+    for name, expected in _compat.grpo_trainer_private().items():
         method = getattr(trl.GRPOTrainer, name, None)
         assert method is not None, f"trl.GRPOTrainer.{name} is gone"
         if expected is not None:
             assert _parameters(method) == expected, f"trl.GRPOTrainer.{name} changed its parameters"
+    assert _compat.trl_supported(), f"trl {trl.__version__} is outside the supported {_compat.TRL_SUPPORTED}"
+
+
+def test_trl_scoring_the_waves_rely_on():
+    """TRL 1.15 on adds the fused LM head to the trainer's models; before, `logits_lm_head` scores with TRL 1.14's
+    own functions."""
+    import trl.trainer.utils
+    from packaging.version import Version
+
+    fused = _compat.trl_fused_lm_head()
+    assert (fused is not None) == (_compat.trl_version() >= Version("1.15")), "trl's add_fused_lm_head moved"
+    if fused is None:
+        for name, expected in _compat.TRL_1_14_SCORING.items():
+            function = getattr(trl.trainer.utils, name, None)
+            assert function is not None, f"trl.trainer.utils.{name} is gone"
+            assert tuple(inspect.signature(function).parameters) == expected, f"trl.trainer.utils.{name} changed"
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["labels", "shift_labels"])
+def test_logits_lm_head_keeps_trls_fused_head_contract(shifted):
+    from packaging.version import Version
+
+    model = build("llama", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (3, 9))
+    labels = ids.clone()
+    labels[:, :4], labels[0, -2:] = -100, -100  # prompt and padding
+    if shifted:
+        labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    expected_labels = labels if shifted else labels[:, 1:]
+    logits = (plain if shifted else plain[:, :-1]) / 0.7
+    mask = expected_labels != -100
+    logps = logits.log_softmax(-1)
+    expected = logps.gather(-1, expected_labels.clamp(min=0)[..., None])[..., 0] * mask
+    entropy = -(logps.exp() * logps).sum(-1) * mask
+
+    fused = copy.deepcopy(model)
+    _compat.logits_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    label_kwarg = {"shift_labels" if shifted else "labels": labels}
+    out = model(input_ids=ids, fused_lm_head=True, **label_kwarg)
+    torch.testing.assert_close(out.log_probs, expected)
+    torch.testing.assert_close(out.entropy, entropy)
+    assert torch.equal(out.label_mask, mask)
+    torch.testing.assert_close(model(input_ids=ids).logits, plain)  # without fused_lm_head: the model's own forward
+    if _compat.trl_version() >= Version("1.16"):  # 1.15's fused head is a Triton kernel only (no CPU path)
+        _compat.trl_fused_lm_head()(fused, temperature=0.7, outputs=("log_probs", "entropy"))
+        reference = fused(input_ids=ids, fused_lm_head=True, **label_kwarg)
+        torch.testing.assert_close(out.log_probs, reference.log_probs)
+        torch.testing.assert_close(out.entropy, reference.entropy)
 
 
 def test_reading_dynamo_flags_raises_no_warning():

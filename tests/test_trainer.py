@@ -8,7 +8,7 @@ import pytest
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from peft import LoraConfig
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
@@ -49,6 +49,7 @@ def train(trainer_cls, model, tmp_path, steps=1, config_cls=GRPOConfig, peft_con
                    save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3, bf16=False, max_grad_norm=0.0,
                    model_init_kwargs={"dtype": torch.float32})
     options.update(overrides)
+    set_seed(options["seed"])  # the LoRA init: TRL seeds before building the model only from 1.15 on
     trainer = trainer_cls(model=model, reward_funcs=setup.length_reward, args=config_cls(**options),
                           train_dataset=setup.make_dataset(prompts=6), processing_class=setup.make_tokenizer(),
                           peft_config=peft_config)

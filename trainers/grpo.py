@@ -109,6 +109,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        _compat.add_fused_lm_head(self)  # the suffix waves' scoring call (TRL 1.15 on adds it itself)
         # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
         self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp_units(self.model))
         self._check_supported()
@@ -445,8 +446,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 return routing.plain_logps(self, model, ids, mask, logits_to_keep, _take(routes, rows),
                                            compute_entropy, compute_aux_loss)
             return super(PrefixFlowGRPOTrainer, self)._get_per_token_logps_and_entropies(
-                model, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal.plain_kwargs(extra, rows, input_ids.shape[0]))
+                model, ids, mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss, **multimodal.plain_kwargs(extra, rows, input_ids.shape[0]))
 
         training = torch.is_grad_enabled()
         reason = self._plain_path_reason(extra, training, compute_aux_loss)
