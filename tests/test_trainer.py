@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -245,6 +246,23 @@ def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, ba
                      gradient_accumulation_steps=accumulation)
     assert_aligned(stock, pf)
     assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {recomputed}
+
+
+@pytest.mark.parametrize("engine", [{}, {"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()},
+                                    {"checkpointing": False}])
+def test_auto_suffix_checkpointing_stays_off_where_ranks_must_recompute_alike(engine):
+    """'auto' decides from each rank's rows; under engines whose recompute runs collectives (ZeRO-3 and FSDP gather
+    weights, Ulysses exchanges heads) that could hang, so it keeps the model's checkpointing there."""
+    settings = {"_fsdp": False, "_deepspeed": False, "_sp": None, "checkpointing": True, **engine}
+    fake = SimpleNamespace(prefixflow_suffix_checkpointing="auto", _fsdp=settings["_fsdp"],
+                           _deepspeed=settings["_deepspeed"], _sp=settings["_sp"], model=torch.nn.Linear(1, 1),
+                           args=SimpleNamespace(gradient_checkpointing=settings["checkpointing"]))
+    decided = PrefixFlowGRPOTrainer._check_suffix_checkpointing(fake)
+    assert decided == ("auto" if fake.args.gradient_checkpointing and not (fake._deepspeed or fake._fsdp or fake._sp)
+                       else True)
+    fake.prefixflow_suffix_checkpointing = "sometimes"
+    with pytest.raises(PrefixFlowError, match="True, False or 'auto'"):
+        PrefixFlowGRPOTrainer._check_suffix_checkpointing(fake)
 
 
 def test_default_adamw_trajectory_stays_aligned(tmp_path):

@@ -615,9 +615,13 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         policy = {"true": True, "false": False, "auto": "auto"}.get(str(setting).lower())
         if policy is None:
             raise PrefixFlowError(f"prefixflow_suffix_checkpointing must be True, False or 'auto', got {setting!r}.")
-        if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp
+        # Nothing to suspend; checkpoint wrappers transformers' switch does not reach; or engines whose recompute
+        # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
+        # rank must then run alike while "auto" decides from each rank's own rows.
+        if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp or self._deepspeed
+                                 or self._sp is not None
                                  or any(type(m).__name__ == "CheckpointWrapper" for m in self.model.modules())):
-            return True  # nothing to suspend, or checkpoint wrappers transformers' switch does not reach
+            return True
         return policy
 
     def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
