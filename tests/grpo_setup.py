@@ -22,18 +22,24 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
                                    bos_token="<bos>", padding_side="left")
 
 
-def make_model(seed: int = 0, dtype=torch.float32, **overrides) -> Qwen3ForCausalLM:
-    config = Qwen3Config(**{**dict(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                                   tie_word_embeddings=False), **overrides})
+def _random_init(model_class, config, seed: int, dtype=torch.float32):
+    """`model_class(config)` in `dtype` with its matrices drawn from N(0, 0.2^2) under `seed` (wide enough that the
+    tiny model's outputs depend on its inputs)."""
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)
+    model = model_class(config).to(dtype)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
     return model
+
+
+def make_model(seed: int = 0, dtype=torch.float32, **overrides) -> Qwen3ForCausalLM:
+    config = Qwen3Config(**{**dict(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                   tie_word_embeddings=False), **overrides})
+    return _random_init(Qwen3ForCausalLM, config, seed, dtype)
 
 
 def make_moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
@@ -41,13 +47,7 @@ def make_moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
                             moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                             pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.2)
-    return model
+    return _random_init(Qwen3MoeForCausalLM, config, seed)
 
 
 def make_gpt_oss_model(seed: int = 0) -> GptOssForCausalLM:
@@ -58,13 +58,7 @@ def make_gpt_oss_model(seed: int = 0) -> GptOssForCausalLM:
                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
                           pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
     config._attn_implementation = "eager"  # attention sinks
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.2)
-    return model
+    return _random_init(GptOssForCausalLM, config, seed)
 
 
 def make_dataset(prompts: int = 4, seed: int = 0, lengths=(12, 30)) -> Dataset:
