@@ -13,7 +13,7 @@ from transformers import TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, scheduler
 from hf_prefixflow.trainers import grpo as pf_grpo
 from hf_prefixflow.trainers.grouping import check_group_prompts
 
@@ -238,14 +238,20 @@ def test_suffix_activations_kept_under_checkpointing(tmp_path):
 
 
 @pytest.mark.parametrize("batch, accumulation, recomputed", [(8, 1, 0.0), (1, 8, 1.0)])
-def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, batch, accumulation, recomputed):
+def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, monkeypatch, batch, accumulation,
+                                                                    recomputed):
     """prefixflow_suffix_checkpointing='auto' (the default) under gradient checkpointing: a run whose suffix
-    activations fit in the memory of TRL's microbatch of full sequences keeps them, otherwise they are recomputed;
-    gradients, weights and metrics are the stock trainer's either way."""
+    activations fit in the memory of TRL's microbatch of full sequences keeps them (its waves run with the model's
+    checkpointing suspended), otherwise they are recomputed; gradients, weights and metrics are the stock trainer's
+    either way."""
+    suspended = []
+    inner = scheduler.checkpointing_suspended
+    monkeypatch.setattr(scheduler, "checkpointing_suspended", lambda model: suspended.append(1) or inner(model))
     stock, pf = both(tmp_path, gradient_checkpointing=True, per_device_train_batch_size=batch,
                      gradient_accumulation_steps=accumulation)
     assert_aligned(stock, pf)
     assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {recomputed}
+    assert bool(suspended) == (recomputed == 0.0)
 
 
 @pytest.mark.parametrize("engine", [{}, {"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()},
