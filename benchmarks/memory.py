@@ -11,8 +11,11 @@ sides run under the same policy (`--policies`):
   none       no activation checkpointing;
   full       every decoder layer checkpointed, non-reentrant (TRL's default);
   selective  every decoder layer under torch's selective checkpointing, matrix multiplies' outputs kept.
-PrefixFlow may add offload (`--offload off,on`). Recompute beyond the policy is named in each row (`extra_recompute`):
-under `none`, offload checkpoints `--prefix-recompute` of the prompt's layers for Phase C to recompute.
+PrefixFlow may add offload (`--offload off,on,kv`: `on` the prompt's activations, `kv` its K/V and gK/gV too,
+streamed per layer). Recompute beyond the policy is named in each row (`extra_recompute`): under `none`, offload
+checkpoints `--prefix-recompute` of the prompt's layers for Phase C to recompute. `--scoring` is how both sides score
+completion tokens: `fused` through TRL's fused LM head, as GRPOTrainer trains (log-probabilities in tiles, no
+logits tensor), or `logits` through the model's logits and a cross-entropy (12 bytes per logit at the loss).
 A *step* is one group, no optimizer step, the gradients allocated and zeroed before it (as inside an accumulation
 window): the baseline trains N rows [P || S_i], `--rows` per forward; PrefixFlow runs Phase A, N/rows waves of
 `--rows` completions and Phase C. Peaks are torch.cuda.max_memory_allocated, weights and gradients included; the
@@ -58,6 +61,9 @@ from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30
 POLICIES = ("none", "full", "selective")
+# Device bytes per scored position and vocabulary entry at the loss: TRL's fused head keeps no logits tensor (its
+# tile is a constant); a cross-entropy on fp32 logits keeps 12.
+LOSS_BYTES = {"fused": 0.0, "logits": planner.LOSS_BYTES_PER_LOGIT}
 SAVED_OPS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
 TARGETS = {"phase_b_reduction_none": 0.59, "frontier_ratio_none": 1.66, "frontier_ratio_full": 1.66,
            "plan_phase_b_error": 0.10}
@@ -94,6 +100,11 @@ class Bench:
             torch.cuda.empty_cache()
         self.name = name
         self.model = build_tiny() if self.args.tiny else build(name)
+        if self.args.scoring == "fused":
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(unwrap(self.model))
+            unwrap(self.model)._memory_fused_head = True
         self.host_bytes_per_token = 0.0
         if self.args.tiny:
             self.model.model.layers[0].register_forward_pre_hook(self._simulated_oom)
@@ -122,20 +133,23 @@ class Bench:
         """Weights plus their gradients."""
         return 2 * sum(p.numel() * p.element_size() for p in self.model.parameters()) / GIB
 
-    def configure(self, policy: str, offload: bool) -> float:
-        """Set the checkpointing policy (both sides) and PrefixFlow's offload; returns the prompt's recompute share
-        beyond the policy (0 when there is none)."""
+    def configure(self, policy: str, offload: str) -> float:
+        """Set the checkpointing policy (both sides) and PrefixFlow's offload mode ("off", "on" or "kv"); returns
+        the prompt's recompute share beyond the policy (0 when there is none)."""
         set_policy(self.model, policy)
-        share = self.args.prefix_recompute if offload and policy == "none" else 0.0
-        hf_prefixflow.apply_prefixflow(self.model, offload=offload, prefix_recompute=share)
+        share = self.args.prefix_recompute if offload != "off" and policy == "none" else 0.0
+        hf_prefixflow.apply_prefixflow(self.model, hf_prefixflow.PrefixFlowConfig(
+            offload=offload != "off", offload_kv=offload == "kv", prefix_recompute=share))
         return share
 
-    def estimate(self, policy: str, offload: bool, share: float, prefix: int, suffix: int,
+    def estimate(self, policy: str, offload: str, share: float, prefix: int, suffix: int,
                  n: int) -> planner.MemoryPlan:
         """The planner's estimate for exactly what runs (no knob left to choose)."""
         rows = self.args.rows
         return planner.plan(self.model, prefix, suffix, n, float("inf"), policy, rows_per_microbatch=rows,
-                            wave_size=rows, offload=offload, suffix_checkpointing=True, prefix_recompute=share)
+                            wave_size=rows, offload=offload != "off", offload_kv=offload == "kv",
+                            suffix_checkpointing=True, prefix_recompute=share,
+                            loss_bytes_per_logit=LOSS_BYTES[self.args.scoring])
 
 
 def build_tiny() -> torch.nn.Module:
@@ -197,12 +211,26 @@ class PhasePeaks:
         return {phase: start.elapsed_time(end) for (_, start), (phase, end) in zip(self.events, self.events[1:])}
 
 
+def fused(model: torch.nn.Module) -> bool:
+    """Whether `model` scores through TRL's fused LM head (`--scoring fused`)."""
+    return getattr(unwrap(model), "_memory_fused_head", False)
+
+
+def mode_of(row: dict) -> str:
+    """A row's offload mode: off, on (the prompt's activations) or kv (its K/V and gK/gV too)."""
+    return "kv" if row.get("offload_kv") else "on" if row["offload"] else "off"
+
+
 def baseline_step(model, prompt, suffixes, rows: int, mark: Callable[[str | None], None]) -> None:
     for start in range(0, len(suffixes), rows):
         batch = torch.stack(suffixes[start : start + rows])
         ids = torch.cat([prompt.expand(len(batch), -1), batch], dim=1)
-        # the logits live only inside the loss, as in PrefixFlow's waves
-        loss = suffix_loss(model(ids, logits_to_keep=batch.shape[1] + 1, use_cache=False).logits[:, :-1], batch)
+        if fused(model):  # position t scores token t + 1: the completion's tokens only
+            labels = torch.full_like(ids, -100)
+            labels[:, len(prompt) - 1 : -1] = batch
+            loss = model(input_ids=ids, shift_labels=labels, fused_lm_head=True).loss
+        else:  # the logits live only inside the loss, as in PrefixFlow's waves
+            loss = suffix_loss(model(ids, logits_to_keep=batch.shape[1] + 1, use_cache=False).logits[:, :-1], batch)
         loss.backward()
     mark("step")
 
@@ -212,7 +240,10 @@ def prefixflow_step(model, prompt, suffixes, rows: int, mark: Callable[[str | No
         mark("A")
         for start in range(0, len(suffixes), rows):
             batch = torch.stack(suffixes[start : start + rows])
-            suffix_loss(group(batch).logits, batch).backward()
+            if fused(model):
+                group(batch, shift_labels=batch, fused_lm_head=True).loss.backward()
+            else:
+                suffix_loss(group(batch).logits, batch).backward()
         mark("B")
     mark("C")
 
@@ -291,7 +322,7 @@ def gib(value: float) -> float:
 
 def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
     args = bench.args
-    offloads = [mode == "on" for mode in args.offload.split(",")]
+    offloads = args.offload.split(",")
     for split in args.splits.split(","):
         prefix, suffix = map(int, split.split("/"))
         prompt, suffixes = bench.group(prefix, suffix, args.n)
@@ -303,8 +334,8 @@ def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 return
             cleanup(bench)
             make_room_on_host(bench, bench.host_bytes_per_token * 1.1 * prefix)
-            sides = [("baseline", False)] + [("prefixflow", off) for off in offloads]
-            errors: dict[tuple[str, bool], str] = {}
+            sides = [("baseline", "off")] + [("prefixflow", off) for off in offloads]
+            errors: dict[tuple[str, str], str] = {}
             for side, off in sides:  # warm-up
                 bench.configure(policy, off)
                 try:
@@ -314,9 +345,9 @@ def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
                     bench.log(f"{bench.name} {split} {policy} {side} offload={off}: {errors[side, off]}")
                 if (side, off) in errors:  # outside the handler, whose traceback holds the failed step's tensors
                     cleanup(bench)
-            steps: dict[tuple[str, bool], list] = {key: [] for key in sides if key not in errors}
-            phases: dict[tuple[str, bool], list] = {key: [] for key in steps}
-            pools: dict[bool, float] = {}
+            steps: dict[tuple[str, str], list] = {key: [] for key in sides if key not in errors}
+            phases: dict[tuple[str, str], list] = {key: [] for key in steps}
+            pools: dict[str, float] = {}
             for _ in range(repeats):  # interleaved, so that a drift in the machine's speed meets every side alike
                 for side, off in steps:
                     bench.configure(policy, off)
@@ -336,16 +367,17 @@ def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
 def fixed_rows(bench: Bench, policy: str, prefix: int, suffix: int, steps: dict, phases: dict, pools: dict,
                errors: dict) -> list[dict]:
     args = bench.args
-    base = steps.get(("baseline", False))
+    base = steps.get(("baseline", "off"))
     base_s = statistics.median(s for s, _ in base) if base else None
     base_peak = max(p["step"] for _, p in base) if base else None
     rows = []
-    for off in [mode == "on" for mode in args.offload.split(",")]:
+    for off in args.offload.split(","):
         share = bench.configure(policy, off)
         estimate = bench.estimate(policy, off, share, prefix, suffix, args.n)
         runs = steps.get(("prefixflow", off))
         row = {"model": bench.name, "P": prefix, "S": suffix, "N": args.n, "rows": args.rows, "policy": policy,
-               "offload": off, "extra_recompute": estimate.extra_recompute,
+               "offload": off != "off", "offload_kv": off == "kv", "scoring": args.scoring,
+               "extra_recompute": estimate.extra_recompute,
                "baseline_peak_gib": None if base_peak is None else round(base_peak, 3),
                "plan_baseline_peak_gib": gib(estimate.baseline_peak_bytes),
                "plan_phase_a_peak_gib": gib(estimate.phase_a_peak_bytes),
@@ -355,9 +387,9 @@ def fixed_rows(bench: Bench, policy: str, prefix: int, suffix: int, steps: dict,
                "plan_host_gib": gib(estimate.host_bytes),
                "baseline_time_s": None if base_s is None else round(base_s, 4),
                "baseline_times_s": [round(s, 4) for s, _ in base or []],
-               "baseline_phase_ms": median_phases(phases.get(("baseline", False))),
+               "baseline_phase_ms": median_phases(phases.get(("baseline", "off"))),
                "static_gib": round(bench.static_gib(), 3), "repeats": len(runs or []),
-               "error": errors.get(("prefixflow", off)) or errors.get(("baseline", False)),
+               "error": errors.get(("prefixflow", off)) or errors.get(("baseline", "off")),
                "gpu": bench.args.gpu, "commit": bench.args.commit}
         if runs:
             seconds = statistics.median(s for s, _ in runs)
@@ -376,6 +408,9 @@ def fixed_rows(bench: Bench, policy: str, prefix: int, suffix: int, steps: dict,
                     row["phase_b_reduction"] = round(1 - peak["B"] / base_peak, 4)
         if args.tiny and not row["error"]:
             row["max_gradient_difference"] = gradient_difference(bench, policy, off, prefix, suffix)
+        if (args.tiny or args.check_gradients) and off == "kv" and not row["error"]:
+            # the arithmetic of offload "on", only the K/V's home differs: equal bit for bit
+            row["kv_vs_on_max_difference"] = gradient_difference(bench, policy, off, prefix, suffix, "on")
         rows.append(row)
     return rows
 
@@ -386,20 +421,22 @@ def median_phases(runs: list[dict] | None) -> dict[str, float]:
     return {phase: round(statistics.median(r[phase] for r in runs), 1) for phase in runs[0]}
 
 
-def gradient_difference(bench: Bench, policy: str, offload: bool, prefix: int, suffix: int) -> float:
-    """--tiny: the largest gradient difference of PrefixFlow against the baseline, relative to each parameter's
-    largest gradient (fp32, so about 1e-6 when both train the same)."""
+def gradient_difference(bench: Bench, policy: str, offload: str, prefix: int, suffix: int,
+                        against: str | None = None) -> float:
+    """The largest gradient difference of PrefixFlow (offload mode `offload`) against the baseline, or against
+    PrefixFlow in mode `against`, relative to each parameter's largest gradient (--tiny: fp32, so about 1e-6 when
+    both train the same; on the GPU against the baseline, bf16 rounding of two schedules)."""
     prompt, suffixes = bench.group(prefix, suffix, bench.args.n, seed=1)
     grads = {}
-    for side in ("baseline", "prefixflow"):
-        bench.configure(policy, offload)
+    for side, mode in (("baseline" if against is None else "prefixflow", against or offload),
+                       ("prefixflow", offload)):
+        bench.configure(policy, mode)
         bench.trial_total = 0
         bench.model.zero_grad(set_to_none=True)
         (baseline_step if side == "baseline" else prefixflow_step)(bench.model, prompt, suffixes, bench.args.rows,
                                                                     lambda phase: None)
-        grads[side] = [p.grad.clone() for p in bench.model.parameters()]
-    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(grads["prefixflow"], grads["baseline"]))
+        grads[len(grads)] = [p.grad.clone() for p in bench.model.parameters()]
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(grads[1], grads[0]))
 
 
 # -- 2. capacity frontier ----------------------------------------------------------------------------------------
@@ -454,17 +491,17 @@ def bracket(trains: Callable[[int], tuple[bool, str]], seed: int, resolution: in
     return {"longest_trains": longest, "shortest_fails": failed, "stop": stop, "trials": trials}
 
 
-def trial(bench: Bench, side: str, policy: str, offload: bool, prefix: int, suffix: int) -> tuple[bool, str]:
+def trial(bench: Bench, side: str, policy: str, offload: str, prefix: int, suffix: int) -> tuple[bool, str]:
     """Does one step of `side` train at this size? Out-of-memory is caught and everything it held is freed; another
     error fails the trial with its message."""
     args = bench.args
     if prefix < 2 or suffix < 1:
         return False, "too short"
-    share = bench.configure(policy, offload if side == "prefixflow" else False)
-    if side == "prefixflow" and offload:
+    share = bench.configure(policy, offload if side == "prefixflow" else "off")
+    if side == "prefixflow" and offload != "off":
         # the pinned pool: as measured per token by earlier steps, else the planner's, rounded up to powers of two
         need = (bench.host_bytes_per_token * 1.1 * prefix if bench.host_bytes_per_token
-                else 2 * bench.estimate(policy, True, share, prefix, suffix, 2).host_bytes)
+                else 2 * bench.estimate(policy, offload, share, prefix, suffix, 2).host_bytes)
         if need > args.host_budget_gib * GIB:
             return False, f"host budget (pinned pool predicted > {args.host_budget_gib} GiB)"
         make_room_on_host(bench, need)
@@ -498,7 +535,7 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
     searches = [{"kind": "proportional", "P": p, "S": s}
                 for p, s in (map(int, x.split("/")) for x in args.frontier_proportions.split(","))]
     searches.append({"kind": "prompt", "P": 10 * args.frontier_suffix, "S": args.frontier_suffix})
-    offloads = [mode == "on" for mode in args.offload.split(",")]
+    offloads = args.offload.split(",")
     for search in searches:
         for policy in args.policies.split(","):
             baseline = None
@@ -510,11 +547,12 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 proportions = f"S={search['S']}" if search["kind"] == "prompt" else f"{search['P']}/{search['S']}"
                 row = {"model": bench.name, "search": search["kind"], "proportions": proportions,
                        "fixed_S": search["S"] if search["kind"] == "prompt" else None, "policy": policy,
-                       "offload": off, "extra_recompute": bench.estimate(policy, off, share, 16, 16, 2).extra_recompute,
+                       "offload": off != "off", "offload_kv": off == "kv", "scoring": args.scoring,
+                       "extra_recompute": bench.estimate(policy, off, share, 16, 16, 2).extra_recompute,
                        "rows": args.rows, "cap_gib": args.frontier_cap_gib, "resolution": args.frontier_resolution,
                        "gpu": args.gpu, "commit": args.commit}
                 if baseline is None:
-                    baseline = run_search(bench, search, policy, False, "baseline", cap)
+                    baseline = run_search(bench, search, policy, "off", "baseline", cap)
                 result = run_search(bench, search, policy, off, "prefixflow", cap)
                 errors = [t["reason"] for s in (baseline, result) for t in s["trials"]
                           if t["reason"].startswith("error") and s["longest_trains"] == 0]
@@ -534,12 +572,12 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 write(report, out)
 
 
-def run_search(bench: Bench, search: dict, policy: str, offload: bool, side: str, cap: float) -> dict:
+def run_search(bench: Bench, search: dict, policy: str, offload: str, side: str, cap: float) -> dict:
     args = bench.args
     share = bench.configure(policy, offload)
     rows = args.rows
-    knobs = dict(rows_per_microbatch=rows, wave_size=rows, offload=offload, suffix_checkpointing=True,
-                 prefix_recompute=share)
+    knobs = dict(rows_per_microbatch=rows, wave_size=rows, offload=offload != "off", offload_kv=offload == "kv",
+                 suffix_checkpointing=True, prefix_recompute=share, loss_bytes_per_logit=LOSS_BYTES[args.scoring])
     predicted = planner.longest(bench.model, search["P"], search["S"], 2 * rows, cap, policy,
                                 vary="prompt" if search["kind"] == "prompt" else "both", side=side,
                                 resolution=args.frontier_resolution, maximum=args.frontier_max, **knobs)
@@ -565,16 +603,19 @@ def verdicts(report: dict) -> dict:
     pairs: dict[str, bool] = {}
     for row in report["rows"]:
         if row.get("prefixflow_phase_b_peak_gib") is not None and row["baseline_peak_gib"]:
-            key = f"never_above_baseline[{row['model']},{row['policy']},offload={row['offload']}]"
+            key = f"never_above_baseline[{row['model']},{row['policy']},offload={mode_of(row)}]"
             pairs[key] = pairs.get(key, True) and row["prefixflow_phase_b_peak_gib"] <= row["baseline_peak_gib"]
     out.update(pairs)
+    streamed = [r["kv_vs_on_max_difference"] for r in report["rows"] if r.get("kv_vs_on_max_difference") is not None]
+    if streamed:
+        out["kv_vs_on_max_difference"] = max(streamed)
     errors = [abs(r["plan_phase_b_error"]) for r in report["rows"] if r.get("plan_phase_b_error") is not None]
     if errors:
         out["plan_phase_b_error"] = round(max(errors), 4)
     for row in report["frontier"]:
         if row["frontier_ratio"] is not None:
             kind = "frontier_ratio" if row["search"] == "proportional" else "prompt_frontier_ratio"
-            key = f"{kind}_{row['policy']}[{row['model']},{row['proportions']},offload={row['offload']}]"
+            key = f"{kind}_{row['policy']}[{row['model']},{row['proportions']},offload={mode_of(row)}]"
             out[key] = row["frontier_ratio"]
     return out
 
@@ -605,12 +646,12 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         if r.get("error") and r.get("prefixflow_phase_b_peak_gib") is None:
             lines.append(f"| {r['model']} | {r['P']} / {r['S']} | {r['N']} | {r['policy']} | "
-                         f"{'yes' if r['offload'] else 'no'} | {r['extra_recompute']} | error: {r['error'][:120]} |"
+                         f"{mode_of(r)} | {r['extra_recompute']} | error: {r['error'][:120]} |"
                          + " |" * 6)
             continue
         err = r.get("plan_phase_b_error")
         lines.append(
-            f"| {r['model']} | {r['P']} / {r['S']} | {r['N']} | {r['policy']} | {'yes' if r['offload'] else 'no'} | "
+            f"| {r['model']} | {r['P']} / {r['S']} | {r['N']} | {r['policy']} | {mode_of(r)} | "
             f"{r['extra_recompute']} | {_num(r['baseline_peak_gib'])} ({_num(r['plan_baseline_peak_gib'])}) | "
             f"{_num(r['prefixflow_phase_b_peak_gib'])} ({_num(r['plan_phase_b_peak_gib'])}, "
             f"{'-' if err is None else f'{err:+.1%}'}) | {_num(r['prefixflow_phase_a_peak_gib'])} / "
@@ -628,7 +669,7 @@ def markdown(report: dict) -> str:
             kind = (f"prompt, S = {r['fixed_S']}" if r["search"] == "prompt" else
                     f"proportional {r['proportions']}")
             lines.append(
-                f"| {r['model']} | {kind} | {r['policy']} | {'yes' if r['offload'] else 'no'} | "
+                f"| {r['model']} | {kind} | {r['policy']} | {mode_of(r)} | "
                 f"{r['extra_recompute']} | {r['baseline_frontier_tokens']} ({r['plan_baseline_frontier_tokens']}) | "
                 f"{r['prefixflow_frontier_tokens']} ({r['plan_prefixflow_frontier_tokens']}) | "
                 f"{_num(r['frontier_ratio'], 2)} | {r['baseline_search']['stop']} / {r['prefixflow_search']['stop']}"
@@ -636,7 +677,8 @@ def markdown(report: dict) -> str:
     lines += ["", "| target | goal | measured |", "| --- | --- | --- |"]
     for key, value in report["verdicts"].items():
         name = key.split("[")[0]
-        goal = {"plan_phase_b_error": f"<= {TARGETS['plan_phase_b_error']}", "never_above_baseline": "true"}.get(
+        goal = {"plan_phase_b_error": f"<= {TARGETS['plan_phase_b_error']}", "never_above_baseline": "true",
+                "kv_vs_on_max_difference": "0"}.get(
             name, f">= {TARGETS[name]}" if name in TARGETS else "(context)")
         lines.append(f"| {key} | {goal} | {value} |")
     return "\n".join(lines) + "\n"
@@ -650,7 +692,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--rows", type=int, default=1, help="rows per microbatch: baseline rows and PrefixFlow wave")
     parser.add_argument("--policies", default="none,full,selective", help=f"comma-separated, of {POLICIES}")
-    parser.add_argument("--offload", default="off,on", help="PrefixFlow's offload settings to pair with each baseline")
+    parser.add_argument("--offload", default="off,on,kv",
+                        help="PrefixFlow's offload modes to pair with each baseline: off, on (activations), kv (and "
+                             "the K/V with gK/gV)")
+    parser.add_argument("--scoring", default="fused", choices=sorted(LOSS_BYTES),
+                        help="fused: TRL's fused LM head (GRPOTrainer's); logits: logits and a cross-entropy")
+    parser.add_argument("--check-gradients", action="store_true",
+                        help="each fixed row with offload kv also compares its gradients with offload on's")
     parser.add_argument("--prefix-recompute", type=float, default=RECOMPUTE_SHARE,
                         help="share of prompt layers offload recomputes under the `none` policy")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds at --timed-split")

@@ -43,6 +43,19 @@ def global_forward_hooks() -> dict:
     return torch.nn.modules.module._global_forward_hooks
 
 
+def outside_dispatch_modes(method: Callable) -> Callable:
+    """Run `method` (a host copy: offload's, streamed K/V's) with torch's dispatch modes popped. Selective activation
+    checkpointing records every op of a checkpointed region and refuses a recompute whose ops differ; the copies of
+    Phase A (to the host) and Phase C (back) differ by design and are not the model's arithmetic."""
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with torch.utils._python_dispatch._disable_current_modes():
+            return method(*args, **kwargs)
+
+    return wrapped
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether `module.compile()` compiled the module's call in place."""
     return getattr(module, "_compiled_call_impl", None) is not None
@@ -83,10 +96,11 @@ def set_checkpoint_function(module: torch.nn.Module, function: Callable | None) 
         module._gradient_checkpointing_func = function
 
 
-def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False) -> None:
+def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False, **checkpoint_kwargs) -> None:
     """transformers' per-layer activation checkpointing (`activation_checkpointing_enable` from 5.24 on,
-    `gradient_checkpointing_enable` before)."""
-    kwargs = {"use_reentrant": use_reentrant}
+    `gradient_checkpointing_enable` before); `checkpoint_kwargs` go to `torch.utils.checkpoint` (e.g. a selective
+    policy's `context_fn`)."""
+    kwargs = {"use_reentrant": use_reentrant, **checkpoint_kwargs}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

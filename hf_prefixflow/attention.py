@@ -158,34 +158,37 @@ def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: 
     return create_block_mask(mask_mod, query.shape[0], None, query.shape[2], kv_length, device=query.device)
 
 
-def _prefix_leaves(cache: TrainingKVCache, module, key: torch.Tensor, value: torch.Tensor):
-    leaves = cache.leaves(module.layer_idx)
-    if leaves is None:
+def _check_prefix(cache: TrainingKVCache, module, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether this layer has cached prefix K/V for the wave (checked against the wave's own K/V)."""
+    entry = cache.layers.get(module.layer_idx)
+    if entry is None:
         if cache.prefix_length:
             raise PrefixFlowError(f"layer {module.layer_idx} has no cached prefix K/V; was Phase A skipped?")
-        return None
-    for cached, current in zip(leaves, (key, value)):
+        return False
+    for cached, current in zip((entry.key, entry.value), (key, value)):
         if cached.dtype != current.dtype or cached.device != current.device:
             raise PrefixFlowError(
                 f"the prefix K/V of layer {module.layer_idx} are {cached.dtype} on {cached.device} but this wave "
                 f"computes {current.dtype} on {current.device}: enter the group and run its waves under the same "
                 "autocast, dtype and device."
             )
-    return leaves
+    return True
 
 
 def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, base_fn, dropout, scaling, kwargs):
-    leaves = _prefix_leaves(marker.cache, module, key, value)
+    cache = marker.cache
+    cached = _check_prefix(cache, module, key, value)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    if leaves is not None and plain and base == "sdpa" and marker.wave.is_plain_causal \
-            and (window is None or window >= leaves[0].shape[2] + key.shape[2]):
+    if cached and plain and base == "sdpa" and marker.wave.is_plain_causal \
+            and (window is None or window >= cache.prefix_length + key.shape[2]):
         query, key, value = _autocast_inputs(query, key, value)
         kernel = split_attention.kernel_for(query, key, value)
         if kernel is not None:  # the cache read in place, no per-wave concatenation (see split_attention.py)
-            prefix = marker.cache.leaves(module.layer_idx, query.dtype)
+            prefix = cache.leaves(module.layer_idx, query.dtype)
             return split_attention.split_attention(query, *prefix, key, value, scaling, kernel).transpose(1, 2), None
-    if leaves is not None:
+    if cached:  # read once per call: with `offload_kv` each read is a copy from the host
+        leaves = cache.leaves(module.layer_idx)
         batch = query.shape[0]
         key = torch.cat([leaves[0].expand(batch, -1, -1, -1), key], dim=2)
         value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)

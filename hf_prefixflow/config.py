@@ -18,6 +18,10 @@ class PrefixFlowConfig:
 
     Args:
         offload: keep the prefix graph's dormant saved tensors in a host pool between Phase A and Phase C.
+        offload_kv: also keep the prefix K/V and their gradient sums (gK/gV) on the host, each layer's brought to the
+            device for its turn in every wave and in Phase C (implies `offload`). Phase B then holds no per-prompt-
+            token state on the device, for the longest prompts; it costs host-device traffic of about four times
+            the K/V bytes per wave (two reads of each layer's K/V under checkpointing, its sum in and out).
         prefix_recompute: share of prefix layers in [0, 1] that Phase A checkpoints and Phase C recomputes. `None`:
             `recompute.RECOMPUTE_SHARE` with offload (recomputing beats copying activations back), 0 without.
         suffix_checkpointing: with activation checkpointing on, `False` runs suffix waves without it (their backward
@@ -33,6 +37,7 @@ class PrefixFlowConfig:
     """
 
     offload: bool = False
+    offload_kv: bool = False
     prefix_recompute: float | None = None
     suffix_checkpointing: bool = True
     kv_grad_dtype: torch.dtype | str | None = None
@@ -49,7 +54,8 @@ class PrefixFlowConfig:
             raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype or one of {sorted(_DTYPES)}, "
                                   f"got {self.kv_grad_dtype!r}.")
         object.__setattr__(self, "kv_grad_dtype", dtype)
-        object.__setattr__(self, "offload", bool(self.offload))
+        object.__setattr__(self, "offload_kv", bool(self.offload_kv))
+        object.__setattr__(self, "offload", bool(self.offload) or self.offload_kv)
         object.__setattr__(self, "suffix_checkpointing", bool(self.suffix_checkpointing))
         if share is not None:
             object.__setattr__(self, "prefix_recompute", float(share))

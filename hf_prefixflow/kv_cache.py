@@ -4,6 +4,10 @@ One `TrainingKVCache` lives for one prefix group. Phase A captures, per attentio
 K/V (still attached to the prefix graph) and hands Phase B detached leaves of the same values. Autograd
 accumulates every wave's gradient into the leaves' `.grad` (gK/gV). Phase C feeds those gradients into the live
 tensors in one backward through the prefix graph. Nothing outlives `free()`.
+
+With `offload_kv` the K/V and their gradient sums live on the host instead (`StreamedTensor`): a wave brings each
+layer's K/V in for its turn, and each layer's sum crosses to the device to take the wave's gradient and goes back;
+Phase C brings each sum in as its layer's backward starts. The device then holds a layer or two of them, not all.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class CachedTensor:
 
     def __init__(self, live: torch.Tensor, sum_dtype: torch.dtype = torch.float32):
         self.live = live
+        self.requires_grad = live.requires_grad
+        self.shape, self.dtype, self.device = live.shape, live.dtype, live.device
         self.sum_dtype = sum_dtype
         # Only tensors that reach trainable parameters need a gradient; the others stay plain constants.
         self.leaf = live.detach().requires_grad_(live.requires_grad)
@@ -81,6 +87,127 @@ class CachedTensor:
         self.live = self.leaf = self.grad = None
         self._hooks, self._casts = [], {}
 
+    def handover(self) -> torch.Tensor:
+        """Phase C: the gradient to seed `live` with, in its dtype; the fp32 accumulator is dropped as soon as it is
+        cast (otherwise every layer's accumulator and its cast copy would live together through Phase C). A gradient
+        already in that dtype (one wave) is handed over as it is."""
+        grad, self.grad = self.grad, None
+        return grad.to(self.live.dtype)
+
+
+class StreamedTensor:
+    """One prefix K or V kept on the host from Phase A to Phase C, with its gradient sum (`offload_kv`).
+
+    Phase A parks the value on the host; `live` is then a 0-dim handle on the prefix graph whose backward emits the
+    summed gradient into the real K or V (`_Handle`), so the device copy is freed once the layer's forward is done.
+    Each `fetch` brings a device copy whose backward adds the wave's gradient into the host sum (`_Fetched`). Host
+    copies go through `host` (an `offload.PrefixOffload`: its pool and copy stream).
+
+    Args:
+        live: post-RoPE K or V `[1, H_kv, P', D]`, attached to the prefix graph (or not, when scoring).
+        sum_dtype: the dtype gradients sum in across waves (promoted with the gradient's own).
+        host: the group's offloader.
+        order: the group's streamed tensors in capture order, which this one joins (for prefetching in Phase C).
+
+    Attributes:
+        live: the handle `[]` (None when `live` needed no gradient or after `release`).
+        grad: the host sum's parked copy, or None before the first backward.
+    """
+
+    def __init__(self, live: torch.Tensor, sum_dtype: torch.dtype, host, order: list["StreamedTensor"]):
+        self.requires_grad = live.requires_grad
+        self.shape, self.dtype, self.device = live.shape, live.dtype, live.device
+        self.sum_dtype = sum_dtype
+        self.host, self.order, self.index = host, order, len(order)
+        order.append(self)
+        self.value = host.park(live.detach())
+        self.grad = None
+        # Scoring (no gradient) needs no handle: nothing runs Phase C.
+        self.live = _Handle.apply(live, self) if live.requires_grad else None
+        # A leaf that requires grad makes each wave's copy an autograd node whose backward is `accumulate`.
+        self._anchor = torch.empty(0, device=live.device, requires_grad=True) if live.requires_grad else None
+
+    def prefetch(self) -> None:
+        """Start bringing the value to the device for the next `fetch`."""
+        self.host.prefetch(self.value)
+
+    def fetch(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A device copy of the value for one wave's layer.
+
+        Args:
+            dtype: the dtype to read it in; None: as captured.
+
+        Returns:
+            `[1, H_kv, P', D]`; when training, an autograd node whose gradient `accumulate` adds to the host sum.
+        """
+        if self._anchor is None or not torch.is_grad_enabled():
+            return self.host.load(self.value).to(dtype or self.dtype)
+        return _Fetched.apply(self._anchor, self, dtype or self.dtype)
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Add one wave's gradient to the host sum: the sum comes to the device, takes it, and goes back. Starts
+        bringing in the previous layer's sum of the same kind, whose turn comes next in the backward."""
+        dtype = torch.promote_types(grad.dtype, self.sum_dtype)
+        if self.grad is None:
+            self.grad = self.host.park(grad.to(dtype))
+        else:
+            total = self.host.load(self.grad)
+            total = total.to(dtype) + grad if total.dtype != dtype else total.add_(grad)
+            self.host.repark(self.grad, total)
+        if self.index >= 2:  # [K0, V0, K1, V1, ...]: a sum is only ever rewritten right after it is loaded
+            self.order[self.index - 2].prefetch_grad()
+
+    def prefetch_grad(self) -> None:
+        """Start bringing the gradient sum to the device."""
+        if self.grad is not None:
+            self.host.prefetch(self.grad)
+
+    def handover(self) -> torch.Tensor:
+        """Phase C: the seed of the handle (one); the summed gradient itself enters through the handle's backward.
+        The last tensor captured, whose backward runs first, starts bringing its sum in."""
+        if self.index == len(self.order) - 1:
+            self.prefetch_grad()
+        return torch.ones((), dtype=self.live.dtype, device=self.live.device)
+
+    def emit(self) -> torch.Tensor:
+        """Phase C: the summed gradient on the device in the captured dtype; starts bringing in the one before."""
+        if self.index > 0:
+            self.order[self.index - 1].prefetch_grad()
+        grad, self.grad = self.grad, None
+        return self.host.load(grad).to(self.dtype)
+
+    def release(self) -> None:
+        """Drop the handle and the parked copies (their host buffers return with the offloader's)."""
+        self.live = self.value = self.grad = self._anchor = None
+
+
+class _Fetched(torch.autograd.Function):
+    """A wave's device copy of a streamed tensor; its backward adds the wave's gradient into the host sum."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, tensor: StreamedTensor, dtype: torch.dtype):
+        ctx.tensor = tensor
+        return tensor.host.load(tensor.value).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.tensor.accumulate(grad)
+        return None, None, None
+
+
+class _Handle(torch.autograd.Function):
+    """Phase C's entry into a streamed tensor's prefix graph: seeded with one, it emits the waves' summed gradient
+    into the live K or V, when autograd reaches its layer (the last layer's first)."""
+
+    @staticmethod
+    def forward(ctx, live: torch.Tensor, tensor: StreamedTensor):
+        ctx.tensor = tensor
+        return live.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, seed):
+        return ctx.tensor.emit() * seed, None
+
 
 @dataclass
 class LayerKV:
@@ -106,6 +233,10 @@ class TrainingKVCache:
 
     def __init__(self, prefix_length: int, grad_dtype: torch.dtype = torch.float32):
         self.prefix_length = prefix_length
+        # `offload_kv`: the group's offloader, which parks each captured K/V on the host (`StreamedTensor`).
+        self.host = None
+        self._streamed: list[StreamedTensor] = []
+        self._last_read: int | None = None  # the layer the last wave read, for the direction to prefetch in
         self.grad_dtype = grad_dtype  # gK/gV sum in this dtype (promoted with theirs) across waves
         self.layers: dict[int, LayerKV] = {}
         self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
@@ -122,8 +253,13 @@ class TrainingKVCache:
             layer_idx: the attention module's `layer_idx`.
             key, value: post-RoPE `[1, H_kv, P', D]`, attached to the prefix graph.
         """
-        if layer_idx not in self.layers:
+        if layer_idx in self.layers:
+            return
+        if self.host is None:
             self.layers[layer_idx] = LayerKV(CachedTensor(key, self.grad_dtype), CachedTensor(value, self.grad_dtype))
+        else:
+            self.layers[layer_idx] = LayerKV(*(StreamedTensor(t, self.grad_dtype, self.host, self._streamed)
+                                               for t in (key, value)))
 
     def capture_router(self, layer_idx: int, logits: torch.Tensor) -> None:
         """Record a layer's live prefix router logits (idempotent, like `capture`): the load-balancing loss reads
@@ -149,9 +285,25 @@ class TrainingKVCache:
         entry = self.layers.get(layer_idx)
         if entry is None:
             return None
+        if self.host is not None:
+            return self._fetch(layer_idx, entry, dtype)
         if dtype is None:
             return entry.key.leaf, entry.value.leaf
         return entry.key.leaf_as(dtype), entry.value.leaf_as(dtype)
+
+    def _fetch(self, layer_idx: int, entry: LayerKV, dtype: torch.dtype | None):
+        """Streamed K/V for one layer, and the next layer's started on their way: upwards in a forward, downwards in
+        a checkpointed backward's recompute (it starts at the last layer, the one the forward ended on)."""
+        layers = list(self.layers)
+        position = layers.index(layer_idx)
+        step = -1 if self._last_read is not None and layer_idx <= self._last_read else 1
+        self._last_read = layer_idx
+        key, value = entry.key.fetch(dtype), entry.value.fetch(dtype)
+        if 0 <= position + step < len(layers):
+            following = self.layers[layers[position + step]]
+            following.key.prefetch()
+            following.value.prefetch()
+        return key, value
 
     def tensors(self) -> list[CachedTensor]:
         """Every cached tensor: each layer's K and V, then the router logits."""
@@ -160,7 +312,7 @@ class TrainingKVCache:
 
     def needs_gradients(self) -> bool:
         """Whether any cached K/V leads back to a trainable parameter."""
-        return any(t.leaf.requires_grad for t in self.tensors())
+        return any(t.requires_grad for t in self.tensors())
 
     def received_gradients(self) -> bool:
         """Whether any wave's backward reached a cached tensor."""
@@ -177,6 +329,7 @@ class TrainingKVCache:
         self.layers.clear()
         self.router_logits.clear()
         self.anchor = None
+        self._streamed = []
 
 
 def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.backward) -> int:
@@ -199,13 +352,5 @@ def delayed_backward(caches: list[TrainingKVCache], backward=torch.autograd.back
         return 0
     anchors = [c.anchor for c in caches if c.anchor is not None and c.pending()]
     backward([t.live for t in pending] + anchors,
-             [_handed_over(t) for t in pending] + [torch.zeros_like(a) for a in anchors])
+             [t.handover() for t in pending] + [torch.zeros_like(a) for a in anchors])
     return len(pending)
-
-
-def _handed_over(tensor: CachedTensor) -> torch.Tensor:
-    """A tensor's gK/gV in its live dtype, its fp32 accumulator dropped as soon as it is cast: otherwise every
-    layer's accumulator and its cast copy would live together through the whole of Phase C. A gradient already in
-    that dtype (one wave) is handed over as it is."""
-    grad, tensor.grad = tensor.grad, None
-    return grad.to(tensor.live.dtype)

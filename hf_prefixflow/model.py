@@ -162,7 +162,7 @@ def kv_grad_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def apply_prefixflow(
     model: torch.nn.Module, config: PrefixFlowConfig | None = None, *, offload: bool | None = None,
-    suffix_checkpointing: bool | None = None, prefix_recompute: float | None = None,
+    offload_kv: bool | None = None, suffix_checkpointing: bool | None = None, prefix_recompute: float | None = None,
     kv_grad_dtype: torch.dtype | str | None = None,
 ) -> torch.nn.Module:
     """Switch `model` (a transformers decoder or a PEFT wrapper of one) to PrefixFlow's attention; returns it.
@@ -177,8 +177,8 @@ def apply_prefixflow(
             float64 copy of the architecture trains one group both ways (`architecture.probe`); an image-text
             model's copy also trains an image prompt, whose refusal is kept for image prompts (`multimodal.check`).
         config: the settings (`PrefixFlowConfig`); replaces the stored one. Default: keep the stored one.
-        offload, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of `PrefixFlowConfig`
-            applied on top; `None` keeps the current value of each.
+        offload, offload_kv, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of
+            `PrefixFlowConfig` applied on top; `None` keeps the current value of each.
 
     Returns:
         `model` itself, switched (its transformers model now holds the settings and a config object of its own).
@@ -189,8 +189,8 @@ def apply_prefixflow(
     """
     inner = unwrap(model)
     settings = (config or config_of(inner)).replace(
-        offload=offload, suffix_checkpointing=suffix_checkpointing, prefix_recompute=prefix_recompute,
-        kv_grad_dtype=kv_grad_dtype)
+        offload=offload, offload_kv=offload_kv, suffix_checkpointing=suffix_checkpointing,
+        prefix_recompute=prefix_recompute, kv_grad_dtype=kv_grad_dtype)
     if not attention.is_wrapped(inner.config._attn_implementation):
         _check_base(inner)
         architecture.check_structure(inner)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._compat import outside_dispatch_modes
 from .errors import PrefixFlowError
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
@@ -154,6 +155,17 @@ def _identity(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 
 
 @dataclass(eq=False)
+class Parked:
+    """A tensor kept in a host buffer and copied to its device each time it is read (`PrefixOffload.park`)."""
+
+    buffer: torch.Tensor  # the pool's uint8 buffer
+    host: torch.Tensor  # its first bytes, viewed as the tensor (contiguous)
+    device: torch.device
+    device_copy: torch.Tensor | None = None  # the copy on its way back, if `prefetch` started one
+    ready: object = None  # event that marks that copy done
+
+
+@dataclass(eq=False)
 class Stayed:
     """A saved tensor left where it is, with its version when saved (autograd's own check, which the hooks skip)."""
 
@@ -190,6 +202,7 @@ class PrefixOffload:
         self.min_bytes = (MIN_BYTES_ON_ACCELERATOR if accelerator else 0) if min_bytes is None else min_bytes
         self.stream = self.pool.stream(self.device) if accelerator else None
         self.entries: list[Offloaded] = []
+        self.parked: list[Parked] = []
         self.caches: list = []  # training-time KV caches: their live tensors stay; their layer count marks layers
         self.offloaded_bytes = 0
         self._saved: dict[tuple, tuple[weakref.ref, Offloaded]] = {}  # see `_identity`
@@ -209,6 +222,7 @@ class PrefixOffload:
             or tensor.numel() * tensor.element_size() < self.min_bytes
         )
 
+    @outside_dispatch_modes
     def pack(self, tensor: torch.Tensor):
         """The pack hook: start moving a saved tensor to the host.
 
@@ -250,6 +264,7 @@ class PrefixOffload:
         self.offloaded_bytes += nbytes
         return entry
 
+    @outside_dispatch_modes
     def unpack(self, packed):
         """The unpack hook: the saved tensor back on its device, in its shape, strides and dtype; also starts
         prefetching the layers before it.
@@ -299,10 +314,71 @@ class PrefixOffload:
             entry.ready = torch.cuda.Event()
             entry.ready.record(self.stream)
 
+    # -- parked tensors (`offload_kv`): the prefix K/V and their gradient sums, read many times ------------------
+
+    @outside_dispatch_modes
+    def park(self, tensor: torch.Tensor) -> Parked:
+        """Start copying `tensor` to a host buffer of the pool; its device memory may be freed meanwhile.
+
+        Args:
+            tensor: any device tensor (a prefix K or V, a gradient sum).
+
+        Returns:
+            The parked copy, for `load`, `prefetch` and `repark`.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer = self.pool.take(nbytes)
+        parked = Parked(buffer, buffer[:nbytes].view(tensor.dtype).view(tensor.shape), tensor.device)
+        self.parked.append(parked)  # from here on `release` returns its buffer
+        self.repark(parked, tensor)
+        return parked
+
+    @outside_dispatch_modes
+    def repark(self, parked: Parked, tensor: torch.Tensor) -> None:
+        """Overwrite a parked copy with `tensor` (same shape and dtype), after every copy already queued from it."""
+        tensor = tensor.contiguous()
+        if self.stream is None:
+            parked.host.copy_(tensor)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            parked.host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self.stream)  # its memory is reused only after the copy
+
+    @outside_dispatch_modes
+    def prefetch(self, parked: Parked) -> None:
+        """Start copying a parked tensor back to the device, for the next `load`."""
+        if parked.device_copy is not None:
+            return
+        if self.stream is None:
+            parked.device_copy = parked.host.clone()
+            return
+        with torch.cuda.stream(self.stream):
+            parked.device_copy = torch.empty_like(parked.host, device=parked.device)
+            parked.device_copy.copy_(parked.host, non_blocking=True)
+            parked.ready = torch.cuda.Event()
+            parked.ready.record(self.stream)
+
+    @outside_dispatch_modes
+    def load(self, parked: Parked) -> torch.Tensor:
+        """A parked tensor on its device (the prefetched copy if one was started, else copied now); the next `load`
+        copies again."""
+        self.prefetch(parked)
+        restored, parked.device_copy = parked.device_copy, None
+        if parked.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(parked.ready)
+            restored.record_stream(torch.cuda.current_stream(self.device))
+            parked.ready = None
+        return restored
+
     def release(self) -> None:
         """Return the host buffers to the pool (after Phase C, or when the group fails)."""
         if self.stream is not None:
             self.stream.synchronize()
+        for parked in self.parked:
+            self.pool.give(parked.buffer)
+            parked.device_copy = None
+        self.parked = []
         for entry in self.entries:
             self.pool.give(entry.buffer)
             entry.device_copy = None

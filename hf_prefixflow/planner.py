@@ -52,6 +52,10 @@ policy (`suffix_checkpointing=False` keeps A), and the prompt's resident bytes p
     none or full, offload       L KV                    the rest waits on the host: H = C + e q + 4 Hq per layer
     selective, offload          L (S - C + e kv)        torch keeps selective saves itself: only C leaves
 
+With `offload_kv` the K/V and gK/gV wait on the host too: `prefix` drops its L KV and L G becomes the two layers in
+flight (a layer's K/V read while the next one's arrive; a layer's sum taking the wave's gradient while the next
+one's arrives): 2 KV and 2 G in Phase B, 2 G in Phase C, and the host holds L (KV + G) more per prompt token.
+
 Dense decoders are modelled tensor by tensor; MoE routing buffers, LoRA adapters' small activations, autocast
 copies and allocator fragmentation are not (keep a margin).
 """
@@ -112,7 +116,7 @@ class MemoryPlan:
         baseline_peak_bytes: full-sequence training of the same group, `rows_per_microbatch` rows at a time, under
             the same checkpointing policy.
         baseline_fits: `baseline_peak_bytes <= device_memory`.
-        wave_size, offload, suffix_checkpointing, prefix_recompute: the knobs (`config()` builds them);
+        wave_size, offload, offload_kv, suffix_checkpointing, prefix_recompute: the knobs (`config()` builds them);
             `prefix_recompute` None means the library's default for `offload`.
         extra_recompute: recompute beyond the checkpointing policy ("none" or the prefix layers' share).
         host_bytes: pinned host memory the offloaded prompt activations take (torch rounds each buffer up to a
@@ -129,6 +133,7 @@ class MemoryPlan:
     baseline_fits: bool
     wave_size: int
     offload: bool
+    offload_kv: bool
     suffix_checkpointing: bool
     prefix_recompute: float | None
     extra_recompute: str
@@ -143,8 +148,8 @@ class MemoryPlan:
 
     def config(self) -> PrefixFlowConfig:
         """The knobs as a `PrefixFlowConfig` (the wave size goes to the waves: `prefixflow_wave_size`)."""
-        return PrefixFlowConfig(offload=self.offload, prefix_recompute=self.prefix_recompute,
-                                suffix_checkpointing=self.suffix_checkpointing)
+        return PrefixFlowConfig(offload=self.offload, offload_kv=self.offload_kv,
+                                prefix_recompute=self.prefix_recompute, suffix_checkpointing=self.suffix_checkpointing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,12 +317,15 @@ def baseline_peak(tokens: TokenBytes, static: float, prompt_tokens: int, complet
     return static + resident + max(tokens.logits * rows * completion_tokens, n * tokens.transient(checkpointing))
 
 
-def prefix_resident(tokens: TokenBytes, checkpointing: str, offload: bool, share: float) -> float:
+def prefix_resident(tokens: TokenBytes, checkpointing: str, offload: bool, share: float,
+                    offload_kv: bool = False) -> float:
     """`prefix`: device bytes per cached prompt token between Phase A and Phase C, gK/gV aside."""
     layers = tokens.layers
     if checkpointing == "selective":
         kept = tokens.selective - tokens.layer_input if offload else tokens.selective
-        return layers * (kept + tokens.key)
+        return layers * kept + (2 * tokens.kv if offload_kv else layers * tokens.key)
+    if offload_kv:
+        return 2 * tokens.kv
     if offload:
         return layers * tokens.kv
     if checkpointing == "full":
@@ -328,24 +336,27 @@ def prefix_resident(tokens: TokenBytes, checkpointing: str, offload: bool, share
     return recomputed * (tokens.layer_input + tokens.kv) + (layers - recomputed) * tokens.activations
 
 
-def host_bytes(tokens: TokenBytes, checkpointing: str, share: float, prompt_tokens: int) -> float:
-    """Host bytes the offloaded prompt activations take (before torch's power-of-two rounding)."""
+def host_bytes(tokens: TokenBytes, checkpointing: str, share: float, prompt_tokens: int,
+               offload_kv: bool = False) -> float:
+    """Host bytes the offloaded prompt activations (and with `offload_kv` the K/V and gK/gV) take (before torch's
+    power-of-two rounding)."""
     cached = prompt_tokens - 1
+    streamed = cached * tokens.layers * (tokens.kv + tokens.kv_grad) if offload_kv else 0.0
     if checkpointing != "none":
-        return cached * tokens.layers * tokens.host
+        return streamed + cached * tokens.layers * tokens.host
     recomputed = round(share * tokens.layers)
     kept_elsewhere = (tokens.layers - recomputed) * (tokens.activations - tokens.kv)
-    return cached * (recomputed * tokens.host + kept_elsewhere)
+    return streamed + cached * (recomputed * tokens.host + kept_elsewhere)
 
 
 def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, completion_tokens: int, wave: int,
-                     checkpointing: str, offload: bool, share: float,
-                     suffix_checkpointing: bool) -> tuple[float, float, float, dict[str, int]]:
+                     checkpointing: str, offload: bool, share: float, suffix_checkpointing: bool,
+                     offload_kv: bool = False) -> tuple[float, float, float, dict[str, int]]:
     """Phase A, B and C peak bytes of one group and Phase B's terms (module docstring)."""
     cached = prompt_tokens - 1
     layers = tokens.layers
-    prefix = cached * prefix_resident(tokens, checkpointing, offload, share)
-    kv_grad = cached * layers * tokens.kv_grad
+    prefix = cached * prefix_resident(tokens, checkpointing, offload, share, offload_kv)
+    kv_grad = cached * (2 if offload_kv else layers) * tokens.kv_grad
     suffix_policy = checkpointing if suffix_checkpointing else "none"
     n = wave * completion_tokens
     wave_bytes = n * (layers * tokens.resident(suffix_policy) + tokens.final_norm)
@@ -401,7 +412,7 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
          num_generations: int, device_memory: float, checkpointing: str = "full", *, rows_per_microbatch: int = 1,
          max_wave: int = MAX_WAVE, wave_size: int | None = None, offload: bool | None = None,
          suffix_checkpointing: bool | None = None, prefix_recompute: float | None = None,
-         host_memory: float | None = None, dtype: torch.dtype | None = None,
+         host_memory: float | None = None, offload_kv: bool | None = None, dtype: torch.dtype | None = None,
          kv_grad_dtype: torch.dtype | None = None, trainable_parameters: int | None = None,
          optimizer_state_bytes: float = 0.0, loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT) -> MemoryPlan:
     """Estimate one group's device memory both ways and pick PrefixFlow's knobs.
@@ -418,6 +429,7 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
         max_wave: the widest wave worth running (completions; past about 4 Phase B gains no speed).
         wave_size, offload, suffix_checkpointing, prefix_recompute: force a knob instead of choosing it.
         host_memory: bytes of pinned host memory offload may use (None: unbounded).
+        offload_kv: force streaming the prompt's K/V and gK/gV from the host (True) or rule it out (False).
         dtype, kv_grad_dtype: the activations' and gK/gV's dtypes (defaults: `token_bytes`).
         trainable_parameters: count of trainable parameters (LoRA); default all (a config) or `requires_grad`.
         optimizer_state_bytes: optimizer bytes per trainable parameter (torch's AdamW: 2 x the parameter's
@@ -425,21 +437,22 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
         loss_bytes_per_logit: device bytes the loss holds per logit at its peak.
     Returns:
         MemoryPlan. Knobs: among the configurations that fit, the widest wave (up to `max_wave` and N) wins; at
-        equal width no offload before offload (offload costs 2.5-5% of the group's time), and suffix activations
-        kept before checkpointed. With none fitting, the smallest peak (`fits` False).
+        equal width no offload before offload (offload costs 2.5-5% of the group's time) before `offload_kv`
+        (host-device traffic every wave), and suffix activations kept before checkpointed. With none fitting, the
+        smallest peak (`fits` False).
     """
     _check(checkpointing, prompt_tokens, completion_tokens, num_generations, device_memory, rows_per_microbatch)
     model = _prepare(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, trainable_parameters,
                      optimizer_state_bytes)
     return _choose(model, prompt_tokens, completion_tokens, num_generations, device_memory, checkpointing,
                    rows_per_microbatch, max_wave, wave_size, offload, suffix_checkpointing, prefix_recompute,
-                   host_memory)
+                   host_memory, offload_kv)
 
 
 def _choose(model: _Model, prompt_tokens: int, completion_tokens: int, num_generations: int, device_memory: float,
             checkpointing: str, rows: int, max_wave: int, wave_size: int | None, offload: bool | None,
             suffix_checkpointing: bool | None, prefix_recompute: float | None,
-            host_memory: float | None) -> MemoryPlan:
+            host_memory: float | None, offload_kv: bool | None = None) -> MemoryPlan:
     for name, value in (("wave_size", wave_size), ("max_wave", max_wave)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise PrefixFlowError(f"{name} is a number of completions, at least 1; got {value!r}.")
@@ -447,34 +460,37 @@ def _choose(model: _Model, prompt_tokens: int, completion_tokens: int, num_gener
     baseline = baseline_peak(tokens, static, prompt_tokens, completion_tokens, rows, checkpointing)
     widest = max(1, min(num_generations, max_wave))
     waves = [wave_size] if wave_size is not None else list(range(widest, 0, -1))
-    offloads = [offload] if offload is not None else [False, True]
+    modes = [(False, False), (True, False), (True, True)]  # (offload, offload_kv), cheapest first
+    modes = [(off, kv) for off, kv in modes if (offload is None or off == offload or kv)
+             and (offload_kv is None or kv == offload_kv) and not (offload is False and kv)]
     keeps = ([suffix_checkpointing] if suffix_checkpointing is not None
              else [True] if checkpointing == "none" else [False, True])
     candidates = []
     for wave in waves:
-        for off in offloads:
+        for off, kv in modes:
             share = PrefixFlowConfig(offload=off, prefix_recompute=prefix_recompute).recompute_share
-            pool = host_bytes(tokens, checkpointing, share, prompt_tokens) if off else 0.0
-            for keep in keeps:
+            pool = host_bytes(tokens, checkpointing, share, prompt_tokens, kv) if off else 0.0
+            # With offload_kv kept activations would hold every layer's K/V through the wave: the waves recompute.
+            for keep in ([True] if kv and checkpointing != "none" else keeps):
                 phases = prefixflow_peaks(tokens, static, prompt_tokens, completion_tokens, wave, checkpointing, off,
-                                          share, keep)
+                                          share, keep, kv)
                 fits = max(phases[:3]) <= device_memory and (host_memory is None or pool <= host_memory)
-                candidates.append((fits, wave, off, keep, share, pool, phases))
+                candidates.append((fits, wave, off, kv, keep, share, pool, phases))
     fitting = [c for c in candidates if c[0]]
-    fits, wave, off, keep, share, pool, (phase_a, phase_b, phase_c, breakdown) = (
-        fitting[0] if fitting else min(candidates, key=lambda c: max(c[6][:3])))
+    fits, wave, off, kv, keep, share, pool, (phase_a, phase_b, phase_c, breakdown) = (
+        fitting[0] if fitting else min(candidates, key=lambda c: max(c[7][:3])))
     extra = "none"
     if share > 0 and checkpointing == "none":
         extra = f"prefix layers (share {share:g})"
     return MemoryPlan(
         fits=fits, phase_b_peak_bytes=round(phase_b), phase_a_peak_bytes=round(phase_a),
         phase_c_peak_bytes=round(phase_c), baseline_peak_bytes=round(baseline), baseline_fits=baseline <= device_memory,
-        wave_size=wave, offload=off, suffix_checkpointing=keep, prefix_recompute=prefix_recompute,
+        wave_size=wave, offload=off, offload_kv=kv, suffix_checkpointing=keep, prefix_recompute=prefix_recompute,
         extra_recompute=extra, host_bytes=round(pool), checkpointing=checkpointing, breakdown=breakdown)
 
 
 _PLAN_KNOBS = ("rows_per_microbatch", "max_wave", "wave_size", "offload", "suffix_checkpointing", "prefix_recompute",
-               "host_memory")
+               "host_memory", "offload_kv")
 _MODEL_KNOBS = ("dtype", "kv_grad_dtype", "trainable_parameters", "optimizer_state_bytes", "loss_bytes_per_logit")
 
 

@@ -228,6 +228,8 @@ class PrefixGroup:
         positions = self.position_offset + torch.arange(cached, device=self.prefix_ids.device)[None]
         replay = {} if self.routes is None else {ROUTES_KWARG: self.routes[:, None, :-1]}
         self.offload = self._offloader()
+        if self.offload is not None and config_of(self._inner).offload_kv:
+            self.cache.host = self.offload  # the K/V and gK/gV wait on the host (`kv_cache.StreamedTensor`)
         with self.offload.hooks() if self.offload else contextlib.nullcontext(), self._recomputing() as recomputed:
             # With offload, recomputed layers keep their attention results on the host too (`recompute`).
             self.attention_replay = AttentionReplay(recomputed, self.offload) if self.offload and recomputed else None

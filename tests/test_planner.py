@@ -183,6 +183,29 @@ def test_knobs_are_valid_settings_and_follow_the_memory():
     assert estimates[0].baseline_fits and not estimates[1].baseline_fits
 
 
+def test_streamed_kv_is_chosen_last_and_lifts_the_prompt_s_device_bytes():
+    """offload_kv: Phase B no longer holds L layers of K/V and gK/gV per prompt token; the host holds them. Chosen
+    only where offload alone does not fit."""
+    config = h200_config("qwen3-1.7b")
+    tokens = planner.token_bytes(config, dtype=torch.bfloat16)
+    offloaded, streamed = (planner.plan(config, 40960, 2048, 16, 139 * GIB, "full", wave_size=1, offload=True,
+                                        suffix_checkpointing=True,
+                                        offload_kv=kv) for kv in (False, True))
+    layers, cached = tokens.layers, 40960 - 1
+    saved = cached * (layers - 2) * (tokens.kv + tokens.kv_grad)
+    assert offloaded.phase_b_peak_bytes - streamed.phase_b_peak_bytes == pytest.approx(saved, rel=1e-6)
+    assert streamed.host_bytes - offloaded.host_bytes == pytest.approx(cached * layers * (tokens.kv + tokens.kv_grad))
+    assert streamed.config() == PrefixFlowConfig(offload_kv=True, suffix_checkpointing=True)
+    roomy = planner.plan(config, 40960, 2048, 16, 139 * GIB, "full")
+    assert not roomy.offload_kv
+    cap = streamed.peak_bytes + GIB  # fits streamed, not offloaded
+    assert offloaded.peak_bytes > cap
+    tight = planner.plan(config, 40960, 2048, 16, cap, "full", wave_size=1)
+    assert tight.fits and tight.offload and tight.offload_kv and tight.suffix_checkpointing
+    assert not planner.plan(config, 40960, 2048, 16, cap, "full", wave_size=1, offload_kv=False).fits
+    assert not planner.plan(config, 40960, 2048, 16, cap, "full", wave_size=1, offload=False).offload_kv
+
+
 def test_suffix_activations_are_kept_where_the_full_sequence_microbatch_needs_more():
     """`keeps_suffix_activations` (the trainer's prefixflow_suffix_checkpointing='auto'). H200, 4,864/256, N=16 in
     one run, both sides checkpointed (2026-12-02_trainer_step): GRPOTrainer's microbatch of 16 rows peaked at 29.8 GiB

@@ -8,12 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
+from accelerate.utils import DistributedType
 from peft import LoraConfig
 from transformers import TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, scheduler
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, offload, scheduler
 from hf_prefixflow.trainers import grpo as pf_grpo
 from hf_prefixflow.trainers.grouping import check_group_prompts
 
@@ -232,6 +233,32 @@ def test_prefix_activation_offload_in_the_trainer(tmp_path):
                          config_cls=PrefixFlowGRPOConfig, prefixflow_offload=True))
 
 
+def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):
+    """prefixflow_offload_kv: the prompt's K/V and gK/gV wait on the host; the stock trainer's gradients, weights and
+    metrics, with the model's checkpointing and without."""
+    parked = []
+    park = offload.PrefixOffload.park
+    monkeypatch.setattr(offload.PrefixOffload, "park", lambda self, t: parked.append(1) or park(self, t))
+    for checkpointing in (True, False):
+        assert_aligned(*both(tmp_path / str(checkpointing), steps=2, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, gradient_checkpointing=checkpointing,
+                             config_cls=PrefixFlowGRPOConfig, prefixflow_offload_kv=True))
+    assert parked
+
+
+@pytest.mark.parametrize("engine", [{"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()}, {"_split": True}])
+def test_streamed_prompt_kv_is_refused_where_processes_share_kv(engine, monkeypatch):
+    settings = {"_deepspeed": False, "_fsdp": False, "_sp": None, "_split": False, **engine}
+    monkeypatch.setattr(pf_grpo, "check_geometry", lambda *args, can_split: settings["_split"])
+    monkeypatch.setattr(pf_grpo.sequence_parallel, "setup", lambda trainer, size: settings["_sp"])
+    fake = SimpleNamespace(_deepspeed=settings["_deepspeed"], _fsdp=settings["_fsdp"], num_generations=2,
+                           accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
+                           args=SimpleNamespace(per_device_train_batch_size=2, steps_per_generation=1,
+                                                prefixflow_offload_kv=True))
+    with pytest.raises(PrefixFlowError, match="prefixflow_offload_kv streams each process's prompt K/V"):
+        PrefixFlowGRPOTrainer._check_supported(fake)
+
+
 def test_suffix_activations_kept_under_checkpointing(tmp_path):
     assert_aligned(*both(tmp_path, steps=2, gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig,
                          prefixflow_suffix_checkpointing=False))
@@ -255,17 +282,19 @@ def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, mo
 
 
 @pytest.mark.parametrize("engine", [{}, {"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()},
-                                    {"checkpointing": False}])
+                                    {"checkpointing": False}, {"offload_kv": True}])
 def test_auto_suffix_checkpointing_stays_off_where_ranks_must_recompute_alike(engine):
     """'auto' decides from each rank's rows; under engines whose recompute runs collectives (ZeRO-3 and FSDP gather
-    weights, Ulysses exchanges heads) that could hang, so it keeps the model's checkpointing there."""
-    settings = {"_fsdp": False, "_deepspeed": False, "_sp": None, "checkpointing": True, **engine}
+    weights, Ulysses exchanges heads) that could hang, so it keeps the model's checkpointing there; and with
+    offload_kv, where kept activations would hold every layer's streamed K/V through a wave."""
+    settings = {"_fsdp": False, "_deepspeed": False, "_sp": None, "checkpointing": True, "offload_kv": False,
+                **engine}
     fake = SimpleNamespace(prefixflow_suffix_checkpointing="auto", _fsdp=settings["_fsdp"],
                            _deepspeed=settings["_deepspeed"], _sp=settings["_sp"], model=torch.nn.Linear(1, 1),
+                           prefixflow_offload_kv=settings["offload_kv"],
                            args=SimpleNamespace(gradient_checkpointing=settings["checkpointing"]))
     decided = PrefixFlowGRPOTrainer._check_suffix_checkpointing(fake)
-    assert decided == ("auto" if fake.args.gradient_checkpointing and not (fake._deepspeed or fake._fsdp or fake._sp)
-                       else True)
+    assert decided == ("auto" if engine == {} else True)
     fake.prefixflow_suffix_checkpointing = "sometimes"
     with pytest.raises(PrefixFlowError, match="True, False or 'auto'"):
         PrefixFlowGRPOTrainer._check_suffix_checkpointing(fake)

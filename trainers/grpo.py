@@ -64,6 +64,10 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
     prefixflow_offload: bool = field(
         default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
+    prefixflow_offload_kv: bool = field(
+        default=False, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
+                                         "streamed in for its turn (implies prefixflow_offload): the longest "
+                                         "prompts, for host-device traffic; one process or DDP without split groups"})
     prefixflow_prefix_recompute: float | None = field(
         default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
                                         f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
@@ -99,7 +103,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_prefix_recompute",
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_kv",
+                         "prefixflow_prefix_recompute",
                          "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_merge_microbatches",
                          "prefixflow_kv_grad_dtype")}
 
@@ -122,8 +127,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._suffix_policy = self._check_suffix_checkpointing()
         if self.args.torch_compile:
             self._compile_layers()
-        apply_prefixflow(self.model, offload=self.prefixflow_offload, prefix_recompute=self.prefixflow_prefix_recompute,
-                         suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
+        apply_prefixflow(self.model, offload=self.prefixflow_offload, offload_kv=self.prefixflow_offload_kv,
+                         prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
@@ -210,6 +215,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 f"{self.accelerator.distributed_type}."
             )
         self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
+        if getattr(self.args, "prefixflow_offload_kv", False) and (
+                self._deepspeed or self._fsdp or self._sp is not None or self._split):
+            raise PrefixFlowError(
+                "prefixflow_offload_kv streams each process's prompt K/V from its own host memory; DeepSpeed, FSDP, "
+                "sequence parallelism and groups split across processes shard or send K/V between processes and "
+                "do not stream it yet. Use prefixflow_offload=True there, or keep each group's rows on one process.")
         if self._fsdp:
             fsdp.check_config(self.accelerator, self.model)
         if self._deepspeed:
@@ -618,8 +629,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         # Nothing to suspend; checkpoint wrappers transformers' switch does not reach; or engines whose recompute
         # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
         # rank must then run alike while "auto" decides from each rank's own rows.
+        # With prefixflow_offload_kv, kept activations would hold every layer's K/V on the device through a wave.
         if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp or self._deepspeed
-                                 or self._sp is not None
+                                 or self._sp is not None or self.prefixflow_offload_kv
                                  or any(type(m).__name__ == "CheckpointWrapper" for m in self.model.modules())):
             return True
         return policy

@@ -1,4 +1,5 @@
-"""Collectives the parallel rules share: per-dtype flattened transfers, all-gathers, and the model's device."""
+"""What the parallel rules share: per-dtype flattened transfers, all-gathers, the model's device, and the settings
+none of them runs yet."""
 
 from __future__ import annotations
 
@@ -8,11 +9,25 @@ import torch
 import torch.distributed as dist
 
 from .._compat import _flatten_dense_tensors, _unflatten_dense_tensors
+from ..errors import PrefixFlowError
+from ..model import config_of
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
     """Where `model`'s (first) parameters live: the device its collectives run on."""
     return next(model.parameters()).device
+
+
+def refuse_offload_kv(model: torch.nn.Module, rule: str) -> None:
+    """`offload_kv` keeps each group's K/V on its own process's host; the parallel rules move or shard K/V.
+
+    Raises:
+        PrefixFlowError: `model`'s config has `offload_kv`.
+    """
+    if config_of(model).offload_kv:
+        raise PrefixFlowError(f"offload_kv is not available with {rule} yet: it streams a group's K/V from one "
+                              "process's host memory. Use offload=True (the prompt's activations still wait on the "
+                              "host), or train without it.")
 
 
 def per_dtype(tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> None:

@@ -35,7 +35,7 @@ from ..errors import PrefixFlowError
 from ..layouts import right_padded
 from ..model import decoder_of, unwrap
 from ..scheduler import GroupRunner, GroupSession, PrefixGroup
-from .collectives import all_gather
+from .collectives import all_gather, refuse_offload_kv
 
 # Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,
 # which both ends share (Phase A, then the schedule's, then Phase C).
@@ -225,6 +225,7 @@ def train_group(
     into `.grad` like one backward of the full-sequence loss sum."""
     if not torch.is_grad_enabled():
         raise PrefixFlowError("pipeline.train_group trains: call it with gradients enabled.")
+    refuse_offload_kv(model, "pipeline stages")  # the same config on every stage: all refuse alike
     stage = StageGroup(model, prefix_ids)
     _agree(stage, suffix_ids, attention_mask, microbatches, group)
     link = _Link(stage.stage_index, group)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..errors import PrefixFlowError
 from ..kv_cache import CachedTensor, LayerKV, TrainingKVCache
 from ..scheduler import GroupSession, PrefixGroup
-from .collectives import device_of, per_dtype
+from .collectives import device_of, per_dtype, refuse_offload_kv
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ def open_split(session: GroupSession, prefix_ids: torch.Tensor | None, holders: 
     Every rank calls this for every split group in the same order; `prefix_ids` may be None on ranks outside
     `holders`. Returns this rank's `SplitGroup`.
     """
+    refuse_offload_kv(session.model, "groups split across processes")  # every rank alike: one config
     holders = tuple(sorted({int(r) for r in holders}))
     rank, owner = dist.get_rank(), holders[0]
     holds = rank in holders

@@ -35,6 +35,7 @@ from ..layouts import PADDING, Wave
 from ..model import unwrap
 from ..moe import routers
 from ..scheduler import GroupRunner, GroupSession, PrefixGroup
+from .collectives import refuse_offload_kv
 from .data_parallel import reduce_trainable_gradients
 
 
@@ -126,6 +127,7 @@ def consecutive_groups(size: int) -> SequenceParallel:
 
 def check_model(model: torch.nn.Module, size: int) -> None:
     """Refuse, before any step, what Ulysses with PrefixFlow cannot shard exactly."""
+    refuse_offload_kv(model, "Ulysses sequence parallelism")
     inner = unwrap(model)
     config = inner.config.get_text_config()
     query_heads = config.num_attention_heads
