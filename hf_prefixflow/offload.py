@@ -159,7 +159,7 @@ class Parked:
     """A tensor kept in a host buffer and copied to its device each time it is read (`PrefixOffload.park`)."""
 
     buffer: torch.Tensor  # the pool's uint8 buffer
-    host: torch.Tensor  # its first bytes, viewed as the tensor (contiguous)
+    host: torch.Tensor  # its first bytes, viewed as the tensor, in its layout
     device: torch.device
     device_copy: torch.Tensor | None = None  # the copy on its way back, if `prefetch` started one
     ready: object = None  # event that marks that copy done
@@ -328,7 +328,9 @@ class PrefixOffload:
         """
         nbytes = tensor.numel() * tensor.element_size()
         buffer = self.pool.take(nbytes)
-        parked = Parked(buffer, buffer[:nbytes].view(tensor.dtype).view(tensor.shape), tensor.device)
+        # In the tensor's own layout: a kernel reading the copy takes the path it took for the original.
+        host = buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, _layout(tensor))
+        parked = Parked(buffer, host, tensor.device)
         self.parked.append(parked)  # from here on `release` returns its buffer
         self.repark(parked, tensor)
         return parked
@@ -336,7 +338,6 @@ class PrefixOffload:
     @outside_dispatch_modes
     def repark(self, parked: Parked, tensor: torch.Tensor) -> None:
         """Overwrite a parked copy with `tensor` (same shape and dtype), after every copy already queued from it."""
-        tensor = tensor.contiguous()
         if self.stream is None:
             parked.host.copy_(tensor)
             return
@@ -354,8 +355,9 @@ class PrefixOffload:
             parked.device_copy = parked.host.clone()
             return
         with torch.cuda.stream(self.stream):
-            parked.device_copy = torch.empty_like(parked.host, device=parked.device)
-            parked.device_copy.copy_(parked.host, non_blocking=True)
+            host = parked.host
+            parked.device_copy = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=parked.device)
+            parked.device_copy.copy_(host, non_blocking=True)
             parked.ready = torch.cuda.Event()
             parked.ready.record(self.stream)
 

@@ -12,8 +12,12 @@ tensors a transformers Llama/Qwen3 layer saves (tests/test_planner.py) and again
     L layers, d hidden size, q = query heads x head dim, kv = key/value heads x head dim, Hq, Hkv head counts,
     f MLP width (experts per token x expert width for MoE), V vocabulary, e = element size of the activations (the
     weights' dtype; no autocast), e_g = element size of gK/gV (`kv_grad_dtype`, by default the trainable weights'),
-    m = 4 for a gated MLP (gate, activation, up, product), 2 for a plain one, l = loss bytes per logit (12: the
-    benchmark's fp32 log-softmax and its gradient, the model-dtype logits freed).
+    m = 4 for a gated MLP (gate, activation, up, product), 2 for a plain one. The loss's bytes for n scored
+    positions, `loss(n)`: with `scoring="fused"` (TRL's fused LM head, GRPOTrainer's from TRL 1.15 on: tiles, no
+    logits tensor) its backward's fp32 weight-gradient accumulator and cast, V d (4 + e), plus per position an fp32
+    hidden-state gradient and cast, d (4 + e), and a tile row, e 32768 (for at most 4096 positions at a time); with
+    `scoring="logits"` l V per position, l = loss bytes per logit (12: an fp32 log-softmax and its gradient, the
+    model-dtype logits freed).
 
 Per token and layer:
 
@@ -36,8 +40,8 @@ Policies: `none` keeps A per layer; `full` (TRL's default, non-reentrant) keeps 
 otherwise, and R_pol = A, C or S:
 
     static    = weights + gradients of the trainable parameters + optimizer state
-    baseline  = static + r (P + S) (L R_pol + F) + max(l V r S, r (P + S) T_pol)            r rows per microbatch
-    Phase B   = static + P' (prefix + L G) + w S (L R_suf + F) + max(l V w S, w S T_suf + P' 2 e kv)
+    baseline  = static + r (P + S) (L R_pol + F) + max(loss(r S), r (P + S) T_pol)         r rows per microbatch
+    Phase B   = static + P' (prefix + L G) + w S (L R_suf + F) + max(loss(w S), w S T_suf + P' 2 e kv)
     Phase A   = static + P' (L A + F)                       no checkpointing, no offload, no prefix recompute
               = static + P' (prefix + A)                    otherwise (one layer's forward in flight)
     Phase C   = static + P' (prefix + L G) + P' (A + X)     prefix layers recomputed (checkpointed or offloaded)
@@ -75,6 +79,8 @@ from .offload import PREFETCH_LAYERS
 
 POLICIES = ("none", "full", "selective")
 LOSS_BYTES_PER_LOGIT = 12.0  # fp32 log-softmax output, the loss's gradient and log-softmax's, at its backward
+SCORINGS = ("fused", "logits")
+HEAD_TILE_TOKENS, HEAD_TILE_VOCAB = 4096, 32768  # TRL's fused head: its tile, tokens by vocabulary entries
 MAX_WAVE = 4  # completions per wave past which Phase B ran no faster on an H200 (docs/benchmarks.md)
 
 
@@ -92,8 +98,18 @@ class TokenBytes:
     key: float  # e kv: K after RoPE alone (selective keeps V as the projection's output)
     backward: float  # X: gradients a layer's backward holds beyond its saved tensors
     final_norm: float  # F: per token, once
-    logits: float  # l V: per scored position, once
+    logits: float  # l V: per scored position, once (scoring "logits")
     host: float  # H: per offloaded prefix layer (input, attention output and log-sum-exp)
+    head: float = 0.0  # the fused head's weight-gradient accumulator and its cast, once (scoring "fused")
+    head_token: float = 0.0  # the fused head's hidden-state gradient and cast, per scored position
+    head_tile: float = 0.0  # a row of the fused head's tile, per scored position up to HEAD_TILE_TOKENS
+
+    def loss(self, scored: int) -> float:
+        """The loss's device bytes at its backward for `scored` positions (module docstring)."""
+        if scored <= 0:
+            return 0.0
+        return (self.logits * scored + self.head + self.head_token * scored
+                + self.head_tile * min(scored, HEAD_TILE_TOKENS))
 
     def resident(self, policy: str) -> float:
         """R_pol: bytes per token and layer a policy keeps until the backward."""
@@ -226,7 +242,7 @@ def _size(dtype: torch.dtype) -> int:
 
 def token_bytes(model_or_config: torch.nn.Module | PretrainedConfig, dtype: torch.dtype | None = None,
                 kv_grad_dtype: torch.dtype | None = None,
-                loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT) -> TokenBytes:
+                loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT, scoring: str = "fused") -> TokenBytes:
     """The byte model's terms (module docstring) for a model or a config.
 
     Args:
@@ -235,7 +251,10 @@ def token_bytes(model_or_config: torch.nn.Module | PretrainedConfig, dtype: torc
             bfloat16 when the config names none.
         kv_grad_dtype: gK/gV's dtype; default the library's: the trainable parameters' widest dtype (a config:
             `dtype`).
-        loss_bytes_per_logit: device bytes the loss holds per logit at its peak (12: fp32 log-softmax).
+        loss_bytes_per_logit: with `scoring="logits"`, device bytes the loss holds per logit at its peak (12: fp32
+            log-softmax).
+        scoring: "fused" (TRL's fused LM head: GRPOTrainer's and PrefixFlowGRPOTrainer's from TRL 1.15 on) or
+            "logits" (the model's logits and a log-softmax).
     Returns:
         TokenBytes, bytes per token.
     """
@@ -272,7 +291,16 @@ def token_bytes(model_or_config: torch.nn.Module | PretrainedConfig, dtype: torc
         last_layer_kv=norm(d) + e * d + key_norm + 2 * e * kv, layer_input=layer_input,
         selective=layer_input + e * (q + 2 * kv + 2 * d + half * width), kv=2 * e * kv, kv_grad=2 * e_g * kv,
         key=e * kv, backward=half * e * width + (8 + 2 * e) * d, final_norm=norm(d) + e * d,
-        logits=loss_bytes_per_logit * config.vocab_size, host=layer_input + e * q + 4 * heads)
+        host=layer_input + e * q + 4 * heads, **_loss_terms(scoring, config, e, loss_bytes_per_logit))
+
+
+def _loss_terms(scoring: str, config: PretrainedConfig, e: int, loss_bytes_per_logit: float) -> dict[str, float]:
+    if scoring not in SCORINGS:
+        raise PrefixFlowError(f"scoring is one of {SCORINGS}, got {scoring!r}.")
+    d, vocab = config.hidden_size, config.vocab_size
+    if scoring == "logits":
+        return {"logits": loss_bytes_per_logit * vocab}
+    return {"logits": 0.0, "head": vocab * d * (4 + e), "head_token": d * (4 + e), "head_tile": e * HEAD_TILE_VOCAB}
 
 
 def static_bytes(model_or_config: torch.nn.Module | PretrainedConfig, dtype: torch.dtype | None = None,
@@ -314,7 +342,7 @@ def baseline_peak(tokens: TokenBytes, static: float, prompt_tokens: int, complet
     """Full-sequence training's peak bytes: `rows` sequences of P + S tokens per microbatch (module docstring)."""
     n = rows * (prompt_tokens + completion_tokens)
     resident = n * (tokens.layers * tokens.resident(checkpointing) + tokens.final_norm)
-    return static + resident + max(tokens.logits * rows * completion_tokens, n * tokens.transient(checkpointing))
+    return static + resident + max(tokens.loss(rows * completion_tokens), n * tokens.transient(checkpointing))
 
 
 def prefix_resident(tokens: TokenBytes, checkpointing: str, offload: bool, share: float,
@@ -360,7 +388,7 @@ def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, comp
     suffix_policy = checkpointing if suffix_checkpointing else "none"
     n = wave * completion_tokens
     wave_bytes = n * (layers * tokens.resident(suffix_policy) + tokens.final_norm)
-    transient = max(tokens.logits * n, n * tokens.transient(suffix_policy) + cached * tokens.kv)
+    transient = max(tokens.loss(n), n * tokens.transient(suffix_policy) + cached * tokens.kv)
     phase_b = static + prefix + kv_grad + wave_bytes + transient
     recomputes = checkpointing != "none" or offload or round(share * layers) > 0
     if recomputes:
@@ -403,8 +431,8 @@ def keeps_suffix_activations(tokens: TokenBytes, prompts: list[int], completion_
 
 
 def _prepare(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, trainable_parameters,
-             optimizer_state_bytes) -> _Model:
-    return _Model(token_bytes(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit),
+             optimizer_state_bytes, scoring) -> _Model:
+    return _Model(token_bytes(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, scoring),
                   static_bytes(model_or_config, dtype, trainable_parameters, optimizer_state_bytes))
 
 
@@ -414,7 +442,8 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
          suffix_checkpointing: bool | None = None, prefix_recompute: float | None = None,
          host_memory: float | None = None, offload_kv: bool | None = None, dtype: torch.dtype | None = None,
          kv_grad_dtype: torch.dtype | None = None, trainable_parameters: int | None = None,
-         optimizer_state_bytes: float = 0.0, loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT) -> MemoryPlan:
+         optimizer_state_bytes: float = 0.0, loss_bytes_per_logit: float = LOSS_BYTES_PER_LOGIT,
+         scoring: str = "fused") -> MemoryPlan:
     """Estimate one group's device memory both ways and pick PrefixFlow's knobs.
 
     Args:
@@ -434,7 +463,8 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
         trainable_parameters: count of trainable parameters (LoRA); default all (a config) or `requires_grad`.
         optimizer_state_bytes: optimizer bytes per trainable parameter (torch's AdamW: 2 x the parameter's
             element size); 0 for a measurement without an optimizer step.
-        loss_bytes_per_logit: device bytes the loss holds per logit at its peak.
+        loss_bytes_per_logit: with `scoring="logits"`, device bytes the loss holds per logit at its peak.
+        scoring: how completion tokens are scored (`token_bytes`): "fused" (TRL's fused LM head) or "logits".
     Returns:
         MemoryPlan. Knobs: among the configurations that fit, the widest wave (up to `max_wave` and N) wins; at
         equal width no offload before offload (offload costs 2.5-5% of the group's time) before `offload_kv`
@@ -443,7 +473,7 @@ def plan(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int
     """
     _check(checkpointing, prompt_tokens, completion_tokens, num_generations, device_memory, rows_per_microbatch)
     model = _prepare(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, trainable_parameters,
-                     optimizer_state_bytes)
+                     optimizer_state_bytes, scoring)
     return _choose(model, prompt_tokens, completion_tokens, num_generations, device_memory, checkpointing,
                    rows_per_microbatch, max_wave, wave_size, offload, suffix_checkpointing, prefix_recompute,
                    host_memory, offload_kv)
@@ -491,7 +521,8 @@ def _choose(model: _Model, prompt_tokens: int, completion_tokens: int, num_gener
 
 _PLAN_KNOBS = ("rows_per_microbatch", "max_wave", "wave_size", "offload", "suffix_checkpointing", "prefix_recompute",
                "host_memory", "offload_kv")
-_MODEL_KNOBS = ("dtype", "kv_grad_dtype", "trainable_parameters", "optimizer_state_bytes", "loss_bytes_per_logit")
+_MODEL_KNOBS = ("dtype", "kv_grad_dtype", "trainable_parameters", "optimizer_state_bytes", "loss_bytes_per_logit",
+                "scoring")
 
 
 def longest(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: int, completion_tokens: int,
@@ -518,7 +549,7 @@ def longest(model_or_config: torch.nn.Module | PretrainedConfig, prompt_tokens: 
     _check(checkpointing, prompt_tokens, completion_tokens, num_generations, device_memory, rows)
     model = _prepare(model_or_config, knobs.get("dtype"), knobs.get("kv_grad_dtype"),
                      knobs.get("loss_bytes_per_logit", LOSS_BYTES_PER_LOGIT), knobs.get("trainable_parameters"),
-                     knobs.get("optimizer_state_bytes", 0.0))
+                     knobs.get("optimizer_state_bytes", 0.0), knobs.get("scoring", "fused"))
     ratio = prompt_tokens / (prompt_tokens + completion_tokens)
 
     def fits(length: int) -> bool:

@@ -39,7 +39,7 @@ def h200_config(name: str):
 
 
 def test_the_byte_model_by_hand():
-    terms = planner.token_bytes(tiny_config(), torch.bfloat16)
+    terms = planner.token_bytes(tiny_config(), torch.bfloat16, scoring="logits")
     norm = 4 * 64 + 4 + 2 * 64  # fp32 input, 1/rms, bf16 normalised input: 388
     assert terms.activations == (2 * (norm + 2 * 64)  # two norms and their bf16 outputs the linears keep: 1032
                                  + 6 * (128 + 64) + 4 * (4 + 2)  # q/k norms: 1176
@@ -52,6 +52,12 @@ def test_the_byte_model_by_hand():
     assert terms.backward == 2 * 2 * 192 + 12 * 64 == 1536
     assert terms.final_norm == 516 and terms.logits == 12 * 512 and terms.host == 128 + 2 * 128 + 16
     assert planner.token_bytes(tiny_config(), torch.bfloat16, kv_grad_dtype=torch.float32).kv_grad == 512
+    # TRL's fused head: no logits; its backward's fp32 weight-gradient accumulator and cast, an fp32 hidden-state
+    # gradient and cast per position, a tile of 32768 vocabulary entries per position (at most 4096 at a time)
+    fused = planner.token_bytes(tiny_config(), torch.bfloat16)
+    assert (fused.logits, fused.head, fused.head_token, fused.head_tile) == (0, 512 * 64 * 6, 64 * 6, 2 * 32768)
+    assert fused.loss(16) == 512 * 64 * 6 + 16 * (64 * 6 + 2 * 32768) and fused.loss(0) == 0
+    assert fused.loss(5000) == 512 * 64 * 6 + 5000 * 64 * 6 + 4096 * 2 * 32768
 
     static = 1000.0
     # none, no offload: P' = 32 cached tokens keep two whole layers and the last one's K/V path
@@ -120,7 +126,8 @@ def test_the_prompt_keeps_what_the_byte_model_says(checkpointing):
     assert sum(storages.values()) == expected
 
 
-# Phase-B peaks measured on an H200 (GiB), 10k/2k, N=16, bf16, offload recomputing every prompt layer:
+# Phase-B peaks measured on an H200 (GiB), 10k/2k, N=16, bf16, scored through logits, offload recomputing every
+# prompt layer:
 # (shape, policy, completions per wave, offload, measured, where)
 MEASURED = [
     ("qwen3-1.7b", "none", 1, False, 46.41, "2026-12-01_memory_offload/memory_eager_phases.json"),
@@ -137,7 +144,7 @@ MEASURED = [
 @pytest.mark.parametrize("shape, policy, wave, offload, measured, where", MEASURED)
 def test_committed_h200_phase_b_peaks(shape, policy, wave, offload, measured, where):
     estimate = planner.plan(h200_config(shape), 10240, 2048, 16, 139 * GIB, policy, wave_size=wave, offload=offload,
-                            suffix_checkpointing=True, dtype=torch.bfloat16)
+                            suffix_checkpointing=True, dtype=torch.bfloat16, scoring="logits")
     assert estimate.phase_b_peak_bytes / GIB == pytest.approx(measured, rel=0.02), where
 
 
