@@ -30,6 +30,7 @@ gradient of `split_attention` in bf16 against fp64 attention over the concatenat
 `KERNEL_ERROR_RATIO` times as far from it as bf16 SDPA over the concatenated K/V (the baseline's kernel).
 `--bf16-weights` trains bf16 weights without autocast instead (gK/gV then sum in bf16, as `param.grad` does);
 `--offload` runs PrefixFlow with prefix activation offload (its recomputed layers replay Phase A's attention);
+`--offload-kv` with the prompt's K/V and gK/gV streamed from the host as well;
 `--compile` compiles every decoder layer of both models; `--checkpointing` checkpoints every decoder layer of both
 (non-reentrant, TRL's default); `--head-dim 128` gives the models and the kernel check Qwen3's and Llama3's head size
 (64 by default). `--tiny` (CPU): a two-layer model as wide as the GPU one, short groups, `sdpa-default` unless
@@ -232,7 +233,7 @@ def run_case(name: str, layout: str, args, variant: str | None) -> list[dict]:
     candidate = copy.deepcopy(baseline)
     for model in (baseline, candidate) if args.checkpointing else ():
         _compat.enable_checkpointing(model)
-    candidate = hf_prefixflow.apply_prefixflow(candidate, offload=args.offload)
+    candidate = hf_prefixflow.apply_prefixflow(candidate, offload=args.offload, offload_kv=args.offload_kv)
     for layer in (layer for model in (baseline, candidate) for layer in model.model.layers) if args.compile else ():
         layer.compile()
     reference = build_model("sdpa", torch.float64, args, mha)
@@ -347,6 +348,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short groups")
     parser.add_argument("--bf16-weights", action="store_true", help="bf16 weights, no autocast")
     parser.add_argument("--offload", action="store_true", help="PrefixFlow with prefix activation offload")
+    parser.add_argument("--offload-kv", action="store_true",
+                        help="PrefixFlow with the prompt's K/V and gK/gV on the host too (offload_kv)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer, both sides")
     parser.add_argument("--checkpointing", action="store_true",
                         help="non-reentrant activation checkpointing on both sides (TRL's default)")
