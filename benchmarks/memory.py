@@ -620,11 +620,11 @@ def verdicts(report: dict) -> dict:
     return out
 
 
-def write(report: dict, out: pathlib.Path) -> None:
+def write(report: dict, out: pathlib.Path, name: str = "memory_like_for_like") -> None:
     out.mkdir(parents=True, exist_ok=True)
     report["verdicts"] = verdicts(report)
-    (out / "memory_like_for_like.json").write_text(json.dumps(report, indent=1))
-    (out / "memory_like_for_like.md").write_text(markdown(report))
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(markdown(report))
 
 
 def _num(value, digits: int = 1) -> str:
@@ -684,6 +684,33 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replan(path: pathlib.Path) -> None:
+    """`--replan RUN.json`: the planner's estimates at this commit for a run's fixed rows, beside the peaks measured
+    there (`plan_*` and `*_error` fields replaced), written to RUN_replanned.json and .md."""
+    report = json.loads(path.read_text())
+    for row in report["rows"]:
+        spec = dict(SHAPES[row["model"]])
+        config = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, **spec)
+        share = RECOMPUTE_SHARE if row["offload"] and row["policy"] == "none" else 0.0
+        estimate = planner.plan(config, row["P"], row["S"], row["N"], float("inf"), row["policy"],
+                                rows_per_microbatch=row["rows"], wave_size=row["rows"], offload=row["offload"],
+                                offload_kv=row.get("offload_kv", False), suffix_checkpointing=True,
+                                prefix_recompute=share, dtype=torch.bfloat16,
+                                loss_bytes_per_logit=LOSS_BYTES[row.get("scoring", "logits")],
+                                scoring="logits" if row.get("scoring", "logits") == "logits" else "fused")
+        row.update({"plan_baseline_peak_gib": gib(estimate.baseline_peak_bytes),
+                    "plan_phase_a_peak_gib": gib(estimate.phase_a_peak_bytes),
+                    "plan_phase_b_peak_gib": gib(estimate.phase_b_peak_bytes),
+                    "plan_phase_c_peak_gib": gib(estimate.phase_c_peak_bytes),
+                    "plan_host_gib": gib(estimate.host_bytes), "replanned_at": git_commit()})
+        if row.get("prefixflow_phase_b_peak_gib") is not None:
+            row["plan_phase_b_error"] = round(row["prefixflow_phase_b_peak_gib"] / row["plan_phase_b_peak_gib"] - 1, 4)
+        if row.get("baseline_peak_gib") is not None:
+            row["plan_baseline_error"] = round(row["baseline_peak_gib"] / row["plan_baseline_peak_gib"] - 1, 4)
+    report["config"]["command"] += f"; replanned: python benchmarks/memory.py --replan {path}"
+    write(report, path.parent, path.stem + "_replanned")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3-1.7b,llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
@@ -715,8 +742,12 @@ def main() -> None:
     parser.add_argument("--sections", default="fixed,frontier")
     parser.add_argument("--commit", default=None, help="the code's commit (default: git's, where there is a .git)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, tiny lengths, simulated OOM")
+    parser.add_argument("--replan", type=pathlib.Path, default=None,
+                        help="only recompute the planner's estimates for this run file's fixed rows (no GPU)")
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_memory_like_for_like")
     args = parser.parse_args()
+    if args.replan is not None:
+        return replan(args.replan)
     command = " ".join(["python benchmarks/memory.py", *sys.argv[1:]])
     if args.tiny:
         vars(args).update(TINY_ARGS)

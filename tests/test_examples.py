@@ -1,7 +1,10 @@
 """The main job and the walkthrough notebook run end to end (reduced sizes)."""
 
+import json
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import nbformat
@@ -57,3 +60,32 @@ def test_walkthrough_notebook_executes(tmp_path):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("agree at every step" in o.get("text", "") for o in outputs)
+
+
+def test_memory_benchmark_and_its_gather_run_on_the_cpu(tmp_path):
+    """memory.py --tiny: every policy and offload mode, PrefixFlow's gradients those of the baseline (fp32) and
+    offload_kv's those of offload bit for bit; memory_gather.py pairs each row with its frontier, the baseline's
+    longest over the runs."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{ROOT}"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--tiny", "--sections", "fixed",
+                    "--out", str(tmp_path)], check=True, env=env, capture_output=True)
+    report = json.loads((tmp_path / "memory_like_for_like.json").read_text())
+    rows = report["rows"]
+    assert {(r["policy"], r["offload"], r["offload_kv"]) for r in rows} == {
+        (p, o, k) for p in ("none", "full", "selective") for o, k in ((False, False), (True, False), (True, True))}
+    assert all(not r["error"] and r["max_gradient_difference"] < 1e-4 for r in rows)
+    assert report["verdicts"]["kv_vs_on_max_difference"] == 0.0
+    search = {"model": "tiny", "search": "proportional", "proportions": "80/16", "policy": "full", "offload": True, "offload_kv": True,
+              "cap_gib": 1.0, "prefixflow_search": {"stop": "resolution"}}
+    runs = [{"frontier": [{**search, "baseline_frontier_tokens": 100, "prefixflow_frontier_tokens": 150}]},
+            {"frontier": [{**search, "baseline_frontier_tokens": 90, "prefixflow_frontier_tokens": 190}]}]
+    for i, run in enumerate(runs):
+        (tmp_path / f"frontier{i}.json").write_text(json.dumps(run))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_gather.py"),
+                    str(tmp_path / "memory_like_for_like.json"), str(tmp_path / "frontier0.json"),
+                    str(tmp_path / "frontier1.json"), "--out", str(tmp_path / "gathered.json")], check=True, env=env)
+    gathered = {(r["P"], r["policy"], r["offload"], r["offload_kv"]): r
+                for r in json.loads((tmp_path / "gathered.json").read_text())["rows"]}
+    row = gathered[80, "full", True, True]
+    assert (row["baseline_frontier_tokens"], row["prefixflow_frontier_tokens"], row["frontier_ratio"]) == (100, 190, 1.9)
+    assert gathered[80, "full", True, False]["frontier_ratio"] is None
