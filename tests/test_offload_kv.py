@@ -1,6 +1,8 @@
 """`offload_kv`: the prefix K/V and gK/gV on the host, streamed in per layer; training equals full sequences."""
 
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -127,3 +129,24 @@ def test_parallel_rules_that_move_kv_refuse_it():
     with hf_prefixflow.GroupSession(model) as session, \
             pytest.raises(hf_prefixflow.PrefixFlowError, match="offload_kv is not available with groups split"):
         placement.open_split(session, prefix, [0, 1])
+
+
+def test_a_streamed_group_leaves_nothing_behind(monkeypatch):
+    """Each streamed tensor's Phase-C handle refers back to it through its autograd node: freed with the group, after
+    Phase C or after a failed wave."""
+    created = []
+    init = StreamedTensor.__init__
+    monkeypatch.setattr(StreamedTensor, "__init__",
+                        lambda self, *args: init(self, *args) or created.append(weakref.ref(self)))
+    gen = torch.Generator().manual_seed(8)
+    model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=3).train(), offload_kv=True)
+    group = random_group(gen, prefix=(12, 16), n=(2, 3))
+    prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
+    with pytest.raises(RuntimeError, match="a wave fails"):
+        with hf_prefixflow.prefix_group(model, group.prefix) as g:
+            g(group.suffixes[0][None])
+            raise RuntimeError("a wave fails")
+    gc.collect()
+    assert len(created) == 12 and not [r for r in created if r() is not None]
+    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    assert pool._out == 0  # every parked buffer returned
