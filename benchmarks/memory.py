@@ -31,7 +31,8 @@ Phase-B peak is the statistic reset when Phase A returns and read before Phase C
     one microbatch of `--rows` rows (the baseline: each further one repeats its peak) or two waves (PrefixFlow: the
     second holds gK/gV); out-of-memory fails it. An offload trial whose pinned pool would exceed `--host-budget-gib`
     fails without running. `--frontier-search-s` caps each search.
-No new step starts after `--deadline-s`; memory_like_for_like.json and .md are rewritten after every row and search.
+No new step starts after `--deadline-s`; memory_like_for_like.json and .md are rewritten after every row, search and
+frontier trial (`trials` lists each trial as it ends).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class Bench:
         self.trial_total = 0  # --tiny: the length the next step runs at, for the simulated out-of-memory
         self.phase_ms: dict[str, float] = {}  # the last step's milliseconds per phase (CUDA only)
         self.host_bytes_per_token = 0.0  # offload: pinned bytes per cached prompt token, measured by the steps
+        self.report: dict = {}  # what `write` puts on file, and where
+        self.out = pathlib.Path(args.out)
 
     def load(self, name: str) -> None:
         """Build the model of shape `name` (dropping the previous one)."""
@@ -583,9 +586,18 @@ def run_search(bench: Bench, search: dict, policy: str, offload: str, side: str,
                                 resolution=args.frontier_resolution, maximum=args.frontier_max, **knobs)
     bench.log(f"frontier {search['kind']} {policy} {side} offload={offload}: planner predicts {predicted}")
     stop_at = min(bench.deadline, time.monotonic() + args.frontier_search_s)
-    result = bracket(lambda total: trial(bench, side, policy, offload, *search_shape(search, total)),
-                     predicted or args.frontier_resolution, args.frontier_resolution, args.frontier_max, stop_at,
-                     bench.log)
+
+    def trains(total: int) -> tuple[bool, str]:
+        outcome = trial(bench, side, policy, offload, *search_shape(search, total))
+        # every trial on file at once: a run cut short (its command's time limit) keeps what it measured
+        bench.report.setdefault("trials", []).append(
+            {"model": bench.name, "search": search["kind"], "P": search["P"], "S": search["S"], "policy": policy,
+             "side": side, "offload": offload, "total": total, "trains": outcome[0], "reason": outcome[1]})
+        write(bench.report, bench.out)
+        return outcome
+
+    result = bracket(trains, predicted or args.frontier_resolution, args.frontier_resolution, args.frontier_max,
+                     stop_at, bench.log)
     result["predicted"] = predicted
     return result
 
@@ -764,6 +776,7 @@ def main() -> None:
                          "torch": torch.__version__, "transformers": transformers.__version__,
                          "date": datetime.date.today().isoformat()},
               "rows": [], "frontier": []}
+    bench.report = report
     for name in args.models.split(","):
         bench.load(name)
         report["config"].setdefault("static_gib", {})[name] = round(bench.static_gib(), 3)
