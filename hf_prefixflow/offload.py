@@ -305,7 +305,7 @@ class PrefixOffload:
             return
         host = entry.host_view()
         if self.stream is None:
-            entry.device_copy = host.clone()
+            entry.device_copy = host.to(entry.device, copy=True)
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(entry.copied)
@@ -352,7 +352,7 @@ class PrefixOffload:
         if parked.device_copy is not None:
             return
         if self.stream is None:
-            parked.device_copy = parked.host.clone()
+            parked.device_copy = parked.host.to(parked.device, copy=True)
             return
         with torch.cuda.stream(self.stream):
             host = parked.host
