@@ -644,7 +644,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return None
         config = config_of(unwrap(model))
         if self._token_bytes is None:
-            self._token_bytes = token_bytes(unwrap(model))
+            # TRL 1.15 on scores through its fused head (no logits tensor); 1.14 through the model's logits
+            self._token_bytes = token_bytes(unwrap(model),
+                                            scoring="fused" if _compat.trl_fused_lm_head() else "logits")
         keep = keeps_suffix_activations(self._token_bytes, [len(g.prefix_ids) for g in groups], completion_width,
                                         [len(g.rows) for g in groups], self.args.per_device_train_batch_size,
                                         offload=config.offload, share=config.recompute_share)
