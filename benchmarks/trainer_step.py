@@ -356,35 +356,47 @@ def top_host_ops(profiler, count: int = 12) -> list[dict]:
             for e in ops if not e.key.startswith("ProfilerStep")][:count]
 
 
-def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
-    rows, ops = [], {}
-    for name in args.trainers:
-        trainer = make_trainer(name, point, args, args.warmup + 1)
-        trace = pathlib.Path(tempfile.mkdtemp()) / f"{name}.json"
-        step = ProfiledStep(args.warmup, trace)
-        trainer.add_callback(step)
-        with annotated(trainer):
-            trainer.train()
-        release(trainer)
-        rows += [{"trainer": name, **r} for r in summarise(trace)]
-        ops[name] = step.ops
-    meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
-            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "commit": commit, "date": datetime.date.today().isoformat()}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
-                                                              indent=1))
-    lines = [f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, N={meta['N']}) on "
-             f"{meta['gpu']}, commit {commit}. Ranges nest: microbatch holds forward_and_loss and, for PrefixFlow, "
-             "phase_c; the profiler's own overhead inflates host-bound ranges.", "",
+def profiled_step(trainer, warmup: int) -> tuple[list[dict], list[dict]]:
+    """Train `trainer` (set up for `warmup` + 1 steps) with its last step under the profiler: that step's phases
+    (wall time and GPU-busy time per range) and its operators by host time."""
+    trace = pathlib.Path(tempfile.mkdtemp()) / "trace.json"
+    step = ProfiledStep(warmup, trace)
+    trainer.add_callback(step)
+    with annotated(trainer):
+        trainer.train()
+    return summarise(trace), step.ops
+
+
+def profile_markdown(heading: str, rows: list[dict], ops: dict[str, list[dict]]) -> str:
+    """The phases of each trainer's profiled step, then each one's operators by host time."""
+    lines = [heading + " Ranges nest: microbatch holds forward_and_loss and, for PrefixFlow, phase_c; the profiler's "
+             "own overhead inflates host-bound ranges.", "",
              "| trainer | phase | calls | wall ms | GPU busy ms | GPU busy share |", "| --- " * 6 + "|"]
     lines += [f"| {r['trainer']} | {r['phase']} | {r['calls']} | {r['wall_ms']} | {r['gpu_busy_ms']} | "
               f"{r['gpu_busy_share']} |" for r in rows]
     for name, table in ops.items():
         lines += ["", f"{name}: operators by host time of their own", "", "| op | calls | self host ms |",
                   "| --- | --- | --- |"] + [f"| `{o['op']}` | {o['calls']} | {o['self_host_ms']} |" for o in table]
-    (out / "trainer_step_profile.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
+    rows, ops = [], {}
+    for name in args.trainers:
+        trainer = make_trainer(name, point, args, args.warmup + 1)
+        phases, ops[name] = profiled_step(trainer, args.warmup)
+        release(trainer)
+        rows += [{"trainer": name, **r} for r in phases]
+    meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
+            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "commit": commit, "date": datetime.date.today().isoformat()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
+                                                              indent=1))
+    text = profile_markdown(f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, "
+                            f"N={meta['N']}) on {meta['gpu']}, commit {commit}.", rows, ops)
+    (out / "trainer_step_profile.md").write_text(text)
+    print(text, flush=True)
 
 
 def options(text: str) -> dict:

@@ -14,7 +14,9 @@ checkpointing as `--checkpointing` says. Steps are timed as `trainer_step.py` ti
 after `--warmup`, the peak allocated memory, and the FLOP ratio of a group: N full sequences (the vision tower run
 once per completion) over PrefixFlow's one prompt pass (the tower once) and N suffix passes.
 
-Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`).
+Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`); `--profile`
+profiles one step per trainer instead (`vision_step_profile.json` / `.md`: trainer_step.py's phase ranges, GPU-busy time,
+the operators by host time).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from hf_prefixflow.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic_vision  # noqa: E402 - the examples' synthetic task
 from step_timing import sync  # noqa: E402
-from trainer_step import device_name, git_commit, release, train_measured  # noqa: E402
+from trainer_step import (device_name, git_commit, profile_markdown, profiled_step, release,  # noqa: E402
+                          train_measured)
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 PATCH, MERGE = 14, 2  # Qwen2-VL's patch side and the 2x2 merge of patches into one token
@@ -57,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
     parser.add_argument("--trainers", default="stock,prefixflow")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, profile one step after --warmup per trainer (trainer_step.py's ranges)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")
@@ -221,11 +226,35 @@ def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
     (out / "vision_step.md").write_text("\n".join(lines) + "\n")
 
 
+def profile(args, out: pathlib.Path, command: str, commit: str) -> None:
+    """`--profile`: each trainer's step after `--warmup`, under the torch profiler (checkpointing off only when
+    `--checkpointing off`)."""
+    args.steps = 1
+    checkpointing = args.checkpointing != "off"
+    rows, ops = [], {}
+    for name in args.trainers.split(","):
+        trainer = make_trainer(name, args, checkpointing)
+        phases, ops[name] = profiled_step(trainer, args.warmup)
+        release(trainer)
+        rows += [{"trainer": name, **r} for r in phases]
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command, "gpu": device_name(), "torch": torch.__version__, "commit": commit,
+            "date": datetime.date.today().isoformat()}
+    (out / "vision_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
+                                                             indent=1))
+    text = profile_markdown(f"`{command}` on {meta['gpu']}, commit {commit}: one step after {args.warmup}.", rows, ops)
+    (out / "vision_step_profile.md").write_text(text)
+    print(text, flush=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
     command = "python benchmarks/vision_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     commit, rows = args.commit or git_commit(), []
+    if args.profile:
+        profile(args, out, command, commit)
+        return rows
     for checkpointing in {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]:
         rows.append(measure(args, checkpointing, commit))
         write(rows, out, command)
