@@ -430,6 +430,47 @@ def keeps_suffix_activations(tokens: TokenBytes, prompts: list[int], completion_
     return held + transient <= budget
 
 
+OFFLOAD_MODES = ((False, False), (True, False), (True, True))  # (offload, offload_kv), cheapest first
+
+
+def offload_for(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int], budget: float,
+                checkpointing: str = "full", prefix_recompute: float | None = None,
+                allow_kv: bool = True) -> tuple[bool, bool]:
+    """The cheapest offload mode under which a run of groups fits in `budget` device bytes on top of what is
+    allocated (the trainer's `prefixflow_offload_auto`). The groups' prompt state (`prefix`, `kv_grad`) coexists;
+    one group's phase transient at a time; each group's completions in one wave, recomputed under checkpointing.
+
+    Args:
+        tokens: the model's byte model (`token_bytes`).
+        prompts: each group's prompt tokens P.
+        completion_tokens: the run's completion width S.
+        rows: each group's completions in the run.
+        budget: device bytes the run may add.
+        checkpointing: the policy of both sides.
+        prefix_recompute: the user's `prefix_recompute` (None: the library's default per mode).
+        allow_kv: whether `offload_kv` may be picked (not where a parallel rule moves K/V).
+
+    Returns:
+        `(offload, offload_kv)`: the first of no offload, offload, offload_kv that fits; the one needing least when
+        none does.
+    """
+    needs = []
+    for offload, kv in OFFLOAD_MODES:
+        if kv and not allow_kv:
+            continue
+        share = PrefixFlowConfig(offload=offload, prefix_recompute=prefix_recompute).recompute_share
+        held = transient = 0.0
+        for prompt, count in zip(prompts, rows):
+            *phases, parts = prefixflow_peaks(tokens, 0.0, prompt, completion_tokens, count, checkpointing, offload,
+                                              share, True, kv)
+            group = parts["prefix"] + parts["kv_grad"]
+            held, transient = held + group, max(transient, max(phases) - group)
+        if held + transient <= budget:
+            return offload, kv
+        needs.append((held + transient, (offload, kv)))
+    return min(needs)[1]
+
+
 def _prepare(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, trainable_parameters,
              optimizer_state_bytes, scoring) -> _Model:
     return _Model(token_bytes(model_or_config, dtype, kv_grad_dtype, loss_bytes_per_logit, scoring),

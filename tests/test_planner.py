@@ -213,6 +213,23 @@ def test_streamed_kv_is_chosen_last_and_lifts_the_prompt_s_device_bytes():
     assert not planner.plan(config, 40960, 2048, 16, cap, "full", wave_size=1, offload=False).offload_kv
 
 
+def test_the_trainer_s_automatic_offload_picks_the_cheapest_mode_that_fits():
+    tokens = planner.token_bytes(h200_config("qwen3-1.7b"), dtype=torch.bfloat16)
+    run = ([40960, 20480], 2048, [8, 8])
+    needs = {}
+    for offload, kv in planner.OFFLOAD_MODES:
+        share = PrefixFlowConfig(offload=offload).recompute_share
+        parts = [planner.prefixflow_peaks(tokens, 0.0, p, 2048, 8, "full", offload, share, True, kv) for p in run[0]]
+        held = [b["prefix"] + b["kv_grad"] for *_, b in parts]
+        needs[offload, kv] = sum(held) + max(max(phases) - h for (*phases, _), h in zip(parts, held))
+    assert needs[False, False] > needs[True, False] > needs[True, True]
+    for mode, need in needs.items():
+        assert planner.offload_for(tokens, *run, budget=need) == mode
+    assert planner.offload_for(tokens, *run, budget=needs[True, False] - 1) == (True, True)
+    assert planner.offload_for(tokens, *run, budget=needs[True, False] - 1, allow_kv=False) == (True, False)
+    assert planner.offload_for(tokens, *run, budget=0) == (True, True)  # none fits: the one needing least
+
+
 def test_suffix_activations_are_kept_where_the_full_sequence_microbatch_needs_more():
     """`keeps_suffix_activations` (the trainer's prefixflow_suffix_checkpointing='auto'). H200, 4,864/256, N=16 in
     one run, both sides checkpointed (2026-12-02_trainer_step): GRPOTrainer's microbatch of 16 rows peaked at 29.8 GiB

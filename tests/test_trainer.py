@@ -246,6 +246,28 @@ def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):
     assert parked
 
 
+@pytest.mark.parametrize("budget, mode", [(float("inf"), 0.0), (0.0, 1.0), ("kv", 2.0)])
+def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget, mode):
+    """prefixflow_offload_auto: each run's new groups get the cheapest offload mode the planner fits in the free
+    device memory: none when plenty is free; when nothing fits, the one needing least (for this two-layer model
+    offload, which streaming the K/V would not beat); K/V on the host where the planner says so (forced here). The
+    stock trainer's gradients, weights and metrics in every case."""
+    budgets = []
+    if budget == "kv":
+        monkeypatch.setattr(pf_grpo, "offload_for", lambda *args, **kwargs: (True, True))
+    free = 0.0 if budget == "kv" else budget
+    monkeypatch.setattr(pf_grpo, "free_device_bytes", lambda model: budgets.append(free) or free)
+    stock, pf = both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                     gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True)
+    assert_aligned(stock, pf)
+    assert budgets and {log["prefixflow/offload"] for log in pf[2] if "loss" in log} == {mode}
+    if mode == 2.0:  # kept activations would hold every layer's streamed K/V: the waves recompute
+        assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {1.0}
+    with pytest.raises(PrefixFlowError, match="prefixflow_offload_auto picks"):
+        both(tmp_path / "refused", steps=1, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True,
+             prefixflow_offload=True)
+
+
 @pytest.mark.parametrize("engine", [{"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()}, {"_split": True}])
 def test_streamed_prompt_kv_is_refused_where_processes_share_kv(engine, monkeypatch):
     settings = {"_deepspeed": False, "_fsdp": False, "_sp": None, "_split": False, **engine}

@@ -35,7 +35,7 @@ from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
-from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, token_bytes
+from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, token_bytes
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession
 from hf_prefixflow.waves import AutoWaves
@@ -68,6 +68,11 @@ class PrefixFlowGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
                                          "streamed in for its turn (implies prefixflow_offload): the longest "
                                          "prompts, for host-device traffic; one process or DDP without split groups"})
+    prefixflow_offload_auto: bool = field(
+        default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
+                                         "whose estimated peak fits in the free CUDA memory "
+                                         "(hf_prefixflow.planner.offload_for); logged as prefixflow/offload (0 none, "
+                                         "1 activations, 2 K/V too); leave the two settings off"})
     prefixflow_prefix_recompute: float | None = field(
         default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
                                         f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
@@ -103,10 +108,25 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_kv",
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_kv", "prefixflow_offload_auto",
                          "prefixflow_prefix_recompute",
                          "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_merge_microbatches",
                          "prefixflow_kv_grad_dtype")}
+
+
+AUTO_OFFLOAD_MARGIN = 0.9  # of the free device memory, what prefixflow_offload_auto plans a run to fill at most
+
+
+def free_device_bytes(model: torch.nn.Module) -> float:
+    """Device bytes a run may still add: free CUDA memory and the allocator's unused cache, less the gradients the
+    backward has yet to allocate, times `AUTO_OFFLOAD_MARGIN`; unbounded off CUDA."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    pending = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    return AUTO_OFFLOAD_MARGIN * (free + cached - pending)
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -215,6 +235,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 f"{self.accelerator.distributed_type}."
             )
         self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
+        if getattr(self.args, "prefixflow_offload_auto", False) and (
+                getattr(self.args, "prefixflow_offload", False) or getattr(self.args, "prefixflow_offload_kv", False)):
+            raise PrefixFlowError("prefixflow_offload_auto picks prefixflow_offload and prefixflow_offload_kv per run; "
+                                  "leave those two False, or turn prefixflow_offload_auto off to set them yourself.")
         if getattr(self.args, "prefixflow_offload_kv", False) and (
                 self._deepspeed or self._fsdp or self._sp is not None or self._split):
             raise PrefixFlowError(
@@ -593,6 +617,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._session is None:
             self._session = GroupSession(model).start()
         pieces = []
+        if self.prefixflow_offload_auto:
+            self._choose_offload(model, [g for g in groups if g.key not in self._open and g.key not in self._splits],
+                                 waves[0].shape[1])
         checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
         for g in groups:
             split = self._splits.get(g.key)
@@ -636,6 +663,27 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return True
         return policy
 
+    def _planner_tokens(self, model) -> TokenBytes:
+        """The planner's byte model of the trained model, built once."""
+        if self._token_bytes is None:
+            # TRL 1.15 on scores through its fused head (no logits tensor); 1.14 through the model's logits
+            self._token_bytes = token_bytes(unwrap(model),
+                                            scoring="fused" if _compat.trl_fused_lm_head() else "logits")
+        return self._token_bytes
+
+    def _choose_offload(self, model, opening: list[BatchGroup], completion_width: int) -> None:
+        """prefixflow_offload_auto: the offload mode the groups this run opens get (`planner.offload_for`), from
+        the device memory free now less the gradients not yet allocated; groups already open keep theirs."""
+        if not opening:
+            return
+        checkpointing = "full" if self.args.gradient_checkpointing else "none"
+        offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
+                                  completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
+                                  checkpointing, self.prefixflow_prefix_recompute,
+                                  allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
+        apply_prefixflow(model, offload=offload, offload_kv=kv)
+        self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
+
     def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
         """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
         them fits in the memory TRL's microbatch of full sequences needs under the same checkpointing
@@ -643,13 +691,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._suffix_policy != "auto":
             return None
         config = config_of(unwrap(model))
-        if self._token_bytes is None:
-            # TRL 1.15 on scores through its fused head (no logits tensor); 1.14 through the model's logits
-            self._token_bytes = token_bytes(unwrap(model),
-                                            scoring="fused" if _compat.trl_fused_lm_head() else "logits")
-        keep = keeps_suffix_activations(self._token_bytes, [len(g.prefix_ids) for g in groups], completion_width,
-                                        [len(g.rows) for g in groups], self.args.per_device_train_batch_size,
-                                        offload=config.offload, share=config.recompute_share)
+        # With offload_kv kept activations would hold every layer's K/V through a wave.
+        keep = not config.offload_kv and keeps_suffix_activations(
+            self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
+            [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
+            share=config.recompute_share)
         self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
         return not keep
 
