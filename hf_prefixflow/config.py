@@ -19,9 +19,11 @@ class PrefixFlowConfig:
     Args:
         offload: keep the prefix graph's dormant saved tensors in a host pool between Phase A and Phase C.
         offload_kv: also keep the prefix K/V and their gradient sums (gK/gV) on the host, each layer's brought to the
-            device for its turn in every wave and in Phase C (implies `offload`). Phase B then holds no per-prompt-
-            token state on the device, for the longest prompts; it costs host-device traffic of about four times
-            the K/V bytes per wave (two reads of each layer's K/V under checkpointing, its sum in and out).
+            device for its turn in every wave and in Phase C (implies `offload`). Under activation checkpointing
+            Phase B then holds about two layers' of them instead of all, for the longest prompts (waves that keep
+            their activations keep each layer's K/V they read until their backward); it costs host-device traffic
+            of about four times the K/V bytes per wave (two reads of each layer's K/V under checkpointing, its sum
+            in and out).
         prefix_recompute: share of prefix layers in [0, 1] that Phase A checkpoints and Phase C recomputes. `None`:
             `recompute.RECOMPUTE_SHARE` with offload (recomputing beats copying activations back), 0 without.
         suffix_checkpointing: with activation checkpointing on, `False` runs suffix waves without it (their backward

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import PrefixFlowError
+
 
 class CachedTensor:
     """One prefix tensor (a layer's K or V, or router logits): live in the prefix graph, a leaf for the waves, and
@@ -147,13 +149,21 @@ class StreamedTensor:
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add one wave's gradient to the host sum: the sum comes to the device, takes it, and goes back. Starts
         bringing in the previous layer's sum of the same kind, whose turn comes next in the backward."""
+        if self.value is None:
+            raise PrefixFlowError("a suffix wave's backward ran after its prefix group closed: its gradient would "
+                                  "never reach the prompt. Call backward on each wave while the group is open.")
         dtype = torch.promote_types(grad.dtype, self.sum_dtype)
         if self.grad is None:
             self.grad = self.host.park(grad.to(dtype))
         else:
             total = self.host.load(self.grad)
-            total = total.to(dtype) + grad if total.dtype != dtype else total.add_(grad)
-            self.host.repark(self.grad, total)
+            if total.dtype != dtype:  # a wider gradient: the sum goes on in its dtype, in a buffer of that size
+                self.grad = self.host.park(total.to(dtype) + grad)
+            else:
+                self.host.repark(self.grad, total.add_(grad))
+        self._prefetch_previous()
+
+    def _prefetch_previous(self) -> None:
         if self.index >= 2:  # [K0, V0, K1, V1, ...]: a sum is only ever rewritten right after it is loaded
             self.order[self.index - 2].prefetch_grad()
 
@@ -255,7 +265,7 @@ class TrainingKVCache:
         """
         if layer_idx in self.layers:
             return
-        if self.host is None:
+        if self.host is None or key.device != self.host.device:  # streams serve the offloader's device only
             self.layers[layer_idx] = LayerKV(CachedTensor(key, self.grad_dtype), CachedTensor(value, self.grad_dtype))
         else:
             self.layers[layer_idx] = LayerKV(*(StreamedTensor(t, self.grad_dtype, self.host, self._streamed)

@@ -58,7 +58,9 @@ policy (`suffix_checkpointing=False` keeps A), and the prompt's resident bytes p
 
 With `offload_kv` the K/V and gK/gV wait on the host too: `prefix` drops its L KV and L G becomes the two layers in
 flight (a layer's K/V read while the next one's arrive; a layer's sum taking the wave's gradient while the next
-one's arrives): 2 KV and 2 G in Phase B, 2 G in Phase C, and the host holds L (KV + G) more per prompt token.
+one's arrives): 2 KV and 2 G in Phase B, 2 G in Phase C, and the host holds L (KV + G) more per prompt token (and,
+without checkpointing, the K/V of the prompt layers not recomputed once more, saved by their attention). Waves that
+keep their activations keep each layer's K/V they read: L KV in Phase B again.
 
 Dense decoders are modelled tensor by tensor; MoE routing buffers, LoRA adapters' small activations, autocast
 copies and allocator fragmentation are not (keep a margin).
@@ -373,7 +375,8 @@ def host_bytes(tokens: TokenBytes, checkpointing: str, share: float, prompt_toke
     if checkpointing != "none":
         return streamed + cached * tokens.layers * tokens.host
     recomputed = round(share * tokens.layers)
-    kept_elsewhere = (tokens.layers - recomputed) * (tokens.activations - tokens.kv)
+    # the layers not recomputed save all they keep, their K/V too when it also waits on the host as streamed
+    kept_elsewhere = (tokens.layers - recomputed) * (tokens.activations - (0 if offload_kv else tokens.kv))
     return streamed + cached * (recomputed * tokens.host + kept_elsewhere)
 
 
@@ -383,9 +386,11 @@ def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, comp
     """Phase A, B and C peak bytes of one group and Phase B's terms (module docstring)."""
     cached = prompt_tokens - 1
     layers = tokens.layers
-    prefix = cached * prefix_resident(tokens, checkpointing, offload, share, offload_kv)
-    kv_grad = cached * (2 if offload_kv else layers) * tokens.kv_grad
     suffix_policy = checkpointing if suffix_checkpointing else "none"
+    prefix = cached * prefix_resident(tokens, checkpointing, offload, share, offload_kv)
+    if offload_kv and suffix_policy == "none":  # a wave keeping its activations keeps each layer's K/V it read
+        prefix += cached * (layers - 2) * tokens.kv
+    kv_grad = cached * (2 if offload_kv else layers) * tokens.kv_grad
     n = wave * completion_tokens
     wave_bytes = n * (layers * tokens.resident(suffix_policy) + tokens.final_norm)
     transient = max(tokens.loss(n), n * tokens.transient(suffix_policy) + cached * tokens.kv)

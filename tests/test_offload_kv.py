@@ -150,3 +150,30 @@ def test_a_streamed_group_leaves_nothing_behind(monkeypatch):
     assert len(created) == 12 and not [r for r in created if r() is not None]
     pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
     assert pool._out == 0  # every parked buffer returned
+
+
+def test_the_host_sum_widens_with_a_wider_gradient_and_refuses_a_late_one():
+    """A bf16 sum that meets an fp32 gradient (mixed kernels under autocast) goes on in fp32, as the device-resident
+    sum does; a wave whose backward comes after its group closed is refused, not lost."""
+    host = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    live = torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16, requires_grad=True) * 1
+    streamed = StreamedTensor(live, torch.bfloat16, host, [])
+    for grad in (torch.ones(1, 2, 3, 4, dtype=torch.bfloat16), torch.full((1, 2, 3, 4), 1e-3)):
+        streamed.accumulate(grad)
+    total = host.load(streamed.grad)
+    assert total.dtype == torch.float32 and torch.equal(total, torch.ones(1, 2, 3, 4) + 1e-3)  # not rounded to bf16
+    streamed.release()
+    with pytest.raises(hf_prefixflow.PrefixFlowError, match="after its prefix group closed"):
+        streamed.accumulate(torch.ones(1, 2, 3, 4))
+    host.release()
+
+
+def test_the_planner_counts_the_kv_a_wave_keeps_with_its_activations():
+    from hf_prefixflow import planner
+
+    tokens = planner.token_bytes(build("llama", num_hidden_layers=4).config, dtype=torch.bfloat16)
+    args = (tokens, 0.0, 4096, 256, 2, "full", True, 1.0)
+    offloaded = planner.prefixflow_peaks(*args, False)[3]
+    streamed_kept = planner.prefixflow_peaks(*args, False, True)[3]
+    streamed = planner.prefixflow_peaks(*args, True, True)[3]
+    assert streamed_kept["prefix"] == offloaded["prefix"] > streamed["prefix"]

@@ -626,7 +626,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             group = split.group if split is not None else self._open.get(g.key)
             if group is None:
                 group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
-            group.suffix_checkpointing = checkpointed
+            # A group streaming its K/V (opened by an earlier run under prefixflow_offload_auto) never keeps its
+            # waves' activations: they would hold every layer's K/V through the wave.
+            group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
+                else checkpointed
             pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
         self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
