@@ -261,7 +261,7 @@ def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget
                      gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True)
     assert_aligned(stock, pf)
     assert budgets and {log["prefixflow/offload"] for log in pf[2] if "loss" in log} == {mode}
-    if mode == 2.0:  # kept activations would hold every layer's streamed K/V: the waves recompute
+    if mode:  # offloaded as planned with the waves recomputing (and kept activations would hold streamed K/V)
         assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {1.0}
     with pytest.raises(PrefixFlowError, match="prefixflow_offload_auto picks"):
         both(tmp_path / "refused", steps=1, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True,

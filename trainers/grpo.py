@@ -694,8 +694,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self._suffix_policy != "auto":
             return None
         config = config_of(unwrap(model))
-        # With offload_kv kept activations would hold every layer's K/V through a wave.
-        keep = not config.offload_kv and keeps_suffix_activations(
+        # With offload_kv kept activations would hold every layer's K/V through a wave; and where
+        # prefixflow_offload_auto had to offload, it planned the run's waves recomputing.
+        tight = config.offload_kv or (self.prefixflow_offload_auto and config.offload)
+        keep = not tight and keeps_suffix_activations(
             self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
             [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
             share=config.recompute_share)
