@@ -89,3 +89,15 @@ def test_memory_benchmark_and_its_gather_run_on_the_cpu(tmp_path):
     row = gathered[80, "full", True, True]
     assert (row["baseline_frontier_tokens"], row["prefixflow_frontier_tokens"], row["frontier_ratio"]) == (100, 190, 1.9)
     assert gathered[80, "full", True, False]["frontier_ratio"] is None
+    log = tmp_path / "cut.log"  # a run stopped mid-search: its log's trials are all there is
+    log.write_text("[ 1.0s] frontier proportional full baseline offload=off: planner predicts 96\n"
+                   "[ 2.0s]   96: trains (0.5 s)\n[ 3.0s]   112: out of memory (0.4 s)\n"
+                   "[ 4.0s] frontier proportional full prefixflow offload=kv: planner predicts 160\n"
+                   "[ 5.0s]   160: trains (0.9 s)\n[ 6.0s]   192: out of memory (0.9 s)\n")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_gather.py"), "--from-log", str(log), "--meta",
+                    "model=tiny,proportions=80/16,cap_gib=1,resolution=16,gpu=cpu,commit=x",
+                    "--out", str(tmp_path / "cut.json")], check=True, env=env)
+    (search,) = json.loads((tmp_path / "cut.json").read_text())["frontier"]
+    assert (search["baseline_frontier_tokens"], search["prefixflow_frontier_tokens"], search["offload_kv"]) == (
+        96, 160, True)
+    assert search["prefixflow_search"]["stop"] == "cut short (the log ends)"
