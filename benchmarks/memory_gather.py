@@ -77,7 +77,8 @@ def searches_from_log(path: pathlib.Path, meta: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results/memory_like_for_like.json"))
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path("benchmarks/results/memory_like_for_like.json"))
     parser.add_argument("--from-log", type=pathlib.Path, default=None, help="a memory.py log to rebuild searches from")
     parser.add_argument("--meta", default="", help="KEY=VALUE,... for --from-log: model, proportions, cap_gib, "
                                                    "resolution, gpu, commit (scoring, extra_recompute optional)")
@@ -102,7 +103,8 @@ def main() -> None:
         key = (search["model"], search["proportions"], search["policy"], mode(search))
         best = frontiers.get(key, {})
         frontiers[key] = {
-            "baseline_frontier_tokens": max(best.get("baseline_frontier_tokens", 0), search["baseline_frontier_tokens"]),
+            "baseline_frontier_tokens": max(best.get("baseline_frontier_tokens", 0),
+                                            search["baseline_frontier_tokens"]),
             "prefixflow_frontier_tokens": search["prefixflow_frontier_tokens"],
             "frontier_stop": search["prefixflow_search"]["stop"], "frontier_cap_gib": search["cap_gib"],
             "frontier_source": ", ".join(dict.fromkeys(filter(None, [best.get("frontier_source"), search["source"]])))}

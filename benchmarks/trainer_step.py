@@ -388,7 +388,8 @@ def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
         release(trainer)
         rows += [{"trainer": name, **r} for r in phases]
     meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
-            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "commit": commit, "date": datetime.date.today().isoformat()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},

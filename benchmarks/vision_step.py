@@ -14,9 +14,9 @@ checkpointing as `--checkpointing` says. Steps are timed as `trainer_step.py` ti
 after `--warmup`, the peak allocated memory, and the FLOP ratio of a group: N full sequences (the vision tower run
 once per completion) over PrefixFlow's one prompt pass (the tower once) and N suffix passes.
 
-Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`); `--profile`
-profiles one step per trainer instead (`vision_step_profile.json` / `.md`: trainer_step.py's phase ranges, GPU-busy time,
-the operators by host time).
+Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`);
+`--profile` profiles one step per trainer instead (`vision_step_profile.json` / `.md`: trainer_step.py's phase
+ranges, GPU-busy time, the operators by host time).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainers", default="stock,prefixflow")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, profile one step after --warmup per trainer (trainer_step.py's ranges)")
+                        help="profile one step after --warmup per trainer instead of timing (trainer_step.py's ranges)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")

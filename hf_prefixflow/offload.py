@@ -7,12 +7,16 @@ goes on, and its device memory is released. A tensor saved by several ops (a lay
 projections) is copied once. In Phase C autograd unpacks them in about reverse order; each unpack starts copying back
 the saves of the next `PREFETCH_LAYERS` layers, and a tensor that is not back yet is loaded on demand, so correctness
 never depends on overlap. A restored tensor has the strides it left with (cuDNN's attention backward returns wrong
-gradients for an output handed back in another layout: docs/offload.md) and is dropped after its last unpack, so Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a
-stand-in that exercises the bookkeeping).
+gradients for an output handed back in another layout: docs/offload.md) and is dropped after its last unpack, so
+Phase C holds only what autograd still needs. On a CPU device the same hooks copy into the host pool (a stand-in that
+exercises the bookkeeping).
 
 Copying everything back makes Phase C wait on host bandwidth: a decoder layer's activations take longer to return
 than its backward takes to run. By default Phase A therefore checkpoints the prefix layers (`hf_prefixflow.recompute`):
 only their inputs (and attention outputs) leave the device, and Phase C recomputes the rest.
+
+With `offload_kv` the offloader also parks the cached K/V and their gradient sums (`park`, `load`, `repark`): read
+by every wave, not once, through the same pool and copy stream (`kv_cache.StreamedTensor`).
 """
 
 from __future__ import annotations
@@ -250,16 +254,7 @@ class PrefixOffload:
         entry = Offloaded(len(self.entries), layer, buffer, buffer[:nbytes], tensor.shape, stride, tensor.dtype,
                           tensor.device, weakref.ref(base), tensor._version)
         self.entries.append(entry)  # from here on `release` returns its buffer, whatever happens next
-        view = entry.host_view()
-        if self.stream is None:
-            view.copy_(tensor)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                view.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self.stream)  # its memory is reused only after the copy
-                entry.copied = torch.cuda.Event()
-                entry.copied.record(self.stream)
+        entry.copied = self._copy_out(entry.host_view(), tensor)
         self._saved[key] = (weakref.ref(base), entry)
         self.offloaded_bytes += nbytes
         return entry
@@ -280,10 +275,7 @@ class PrefixOffload:
         if packed.device_copy is None:
             packed.loaded_on_demand = True
             self._prefetch(packed)
-        restored = packed.device_copy
-        if packed.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(packed.ready)
-            restored.record_stream(torch.cuda.current_stream(self.device))
+        restored = self._arrived(packed.device_copy, packed.ready)
         packed.unpacked += 1
         if packed.consumed:  # autograd holds it as long as it needs it; we no longer do
             packed.device_copy = None
@@ -303,16 +295,7 @@ class PrefixOffload:
     def _prefetch(self, entry: Offloaded) -> None:
         if entry.device_copy is not None:
             return
-        host = entry.host_view()
-        if self.stream is None:
-            entry.device_copy = host.to(entry.device, copy=True)
-            return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(entry.copied)
-            entry.device_copy = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=entry.device)
-            entry.device_copy.copy_(host, non_blocking=True)
-            entry.ready = torch.cuda.Event()
-            entry.ready.record(self.stream)
+        entry.device_copy, entry.ready = self._copy_in(entry.host_view(), entry.device, after=entry.copied)
 
     # -- parked tensors (`offload_kv`): the prefix K/V and their gradient sums, read many times ------------------
 
@@ -338,40 +321,60 @@ class PrefixOffload:
     @outside_dispatch_modes
     def repark(self, parked: Parked, tensor: torch.Tensor) -> None:
         """Overwrite a parked copy with `tensor` (same shape and dtype), after every copy already queued from it."""
-        if self.stream is None:
-            parked.host.copy_(tensor)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            parked.host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(self.stream)  # its memory is reused only after the copy
+        self._copy_out(parked.host, tensor)
 
     @outside_dispatch_modes
     def prefetch(self, parked: Parked) -> None:
         """Start copying a parked tensor back to the device, for the next `load`."""
         if parked.device_copy is not None:
             return
-        if self.stream is None:
-            parked.device_copy = parked.host.to(parked.device, copy=True)
-            return
-        with torch.cuda.stream(self.stream):
-            host = parked.host
-            parked.device_copy = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=parked.device)
-            parked.device_copy.copy_(host, non_blocking=True)
-            parked.ready = torch.cuda.Event()
-            parked.ready.record(self.stream)
+        parked.device_copy, parked.ready = self._copy_in(parked.host, parked.device)
 
     @outside_dispatch_modes
     def load(self, parked: Parked) -> torch.Tensor:
         """A parked tensor on its device (the prefetched copy if one was started, else copied now); the next `load`
         copies again."""
         self.prefetch(parked)
-        restored, parked.device_copy = parked.device_copy, None
-        if parked.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(parked.ready)
-            restored.record_stream(torch.cuda.current_stream(self.device))
-            parked.ready = None
+        restored = self._arrived(parked.device_copy, parked.ready)
+        parked.device_copy = parked.ready = None
         return restored
+
+    # -- copies on the side stream: every host buffer is written and read there, in queue order ----------------
+
+    def _copy_out(self, host: torch.Tensor, tensor: torch.Tensor):
+        """Queue `tensor` -> `host` after the work queued so far; returns the event marking it done (None on CPU)."""
+        if self.stream is None:
+            host.copy_(tensor)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(self.stream)  # its memory is reused only after the copy
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def _copy_in(self, host: torch.Tensor, device: torch.device, after=None):
+        """Queue a copy of `host` onto `device` in its layout (after event `after`, if given); returns the copy and
+        the event marking it done (None on CPU)."""
+        if self.stream is None:
+            return host.to(device, copy=True), None
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            copy = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+            copy.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return copy, ready
+
+    def _arrived(self, copy: torch.Tensor, ready) -> torch.Tensor:
+        """`copy` for use on the current stream, once its event says it has arrived."""
+        if ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(ready)
+            copy.record_stream(current)
+        return copy
 
     def release(self) -> None:
         """Return the host buffers to the pool (after Phase C, or when the group fails)."""

@@ -75,7 +75,8 @@ def test_memory_benchmark_and_its_gather_run_on_the_cpu(tmp_path):
         (p, o, k) for p in ("none", "full", "selective") for o, k in ((False, False), (True, False), (True, True))}
     assert all(not r["error"] and r["max_gradient_difference"] < 1e-4 for r in rows)
     assert report["verdicts"]["kv_vs_on_max_difference"] == report["verdicts"]["on_vs_on_max_difference"] == 0.0
-    search = {"model": "tiny", "search": "proportional", "proportions": "80/16", "policy": "full", "offload": True, "offload_kv": True,
+    search = {"model": "tiny", "search": "proportional", "proportions": "80/16", "policy": "full", "offload": True,
+              "offload_kv": True,
               "cap_gib": 1.0, "prefixflow_search": {"stop": "resolution"}}
     runs = [{"frontier": [{**search, "baseline_frontier_tokens": 100, "prefixflow_frontier_tokens": 150}]},
             {"frontier": [{**search, "baseline_frontier_tokens": 90, "prefixflow_frontier_tokens": 190}]}]
@@ -87,7 +88,8 @@ def test_memory_benchmark_and_its_gather_run_on_the_cpu(tmp_path):
     gathered = {(r["P"], r["policy"], r["offload"], r["offload_kv"]): r
                 for r in json.loads((tmp_path / "gathered.json").read_text())["rows"]}
     row = gathered[80, "full", True, True]
-    assert (row["baseline_frontier_tokens"], row["prefixflow_frontier_tokens"], row["frontier_ratio"]) == (100, 190, 1.9)
+    assert (row["baseline_frontier_tokens"], row["prefixflow_frontier_tokens"]) == (100, 190)
+    assert row["frontier_ratio"] == 1.9
     assert gathered[80, "full", True, False]["frontier_ratio"] is None
     log = tmp_path / "cut.log"  # a run stopped mid-search: its log's trials are all there is
     log.write_text("[ 1.0s] frontier proportional full baseline offload=off: planner predicts 96\n"

@@ -57,7 +57,7 @@ def test_offload_under_selective_checkpointing(offload):
 
 def test_streamed_kv_leaves_no_kv_on_the_device_between_waves(monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload_kv=True)
+    model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=4).train(), offload_kv=True)
     assert hf_prefixflow.model.config_of(model).offload  # implied
     group = random_group(gen, prefix=(12, 16), n=(3, 3))
     loads = []
@@ -69,7 +69,10 @@ def test_streamed_kv_leaves_no_kv_on_the_device_between_waves(monkeypatch):
         assert all(t.live.shape == () and t.value.device_copy is None for t in streamed)
         for suffix in group.suffixes:
             g(suffix[None]).logits.sum().backward()
-            assert all(t.grad is not None and t.grad.host.device.type == "cpu" for t in streamed)
+            assert all(t.grad is not None for t in streamed)
+            # between waves only prefetched copies wait on the device: one layer's K/V, one layer's sums
+            assert sum(t.value.device_copy is not None for t in streamed) <= 2
+            assert sum(t.grad.device_copy is not None for t in streamed) <= 2
     # each wave reads every layer's K and V once (no recompute here), every wave but the first brings each sum in to
     # add to it, and Phase C brings each sum in once
     assert len(loads) == len(streamed) * (len(group.suffixes) + len(group.suffixes) - 1 + 1)

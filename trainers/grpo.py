@@ -108,8 +108,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
 
 DEFAULTS = {name: PrefixFlowGRPOConfig.__dataclass_fields__[name].default
             for name in ("prefixflow_layout", "prefixflow_min_speedup", "prefixflow_scoring",
-                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_kv", "prefixflow_offload_auto",
-                         "prefixflow_prefix_recompute",
+                         "prefixflow_routing_replay", "prefixflow_offload", "prefixflow_offload_kv",
+                         "prefixflow_offload_auto", "prefixflow_prefix_recompute",
                          "prefixflow_suffix_checkpointing", "prefixflow_wave_size", "prefixflow_merge_microbatches",
                          "prefixflow_kv_grad_dtype")}
 
@@ -148,7 +148,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if self.args.torch_compile:
             self._compile_layers()
         apply_prefixflow(self.model, offload=self.prefixflow_offload, offload_kv=self.prefixflow_offload_kv,
-                         prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
+                         prefix_recompute=self.prefixflow_prefix_recompute,
+                         suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
         self._shape = ModelShape.from_config(unwrap(self.model).config)
@@ -690,7 +691,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
         """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
         them fits in the memory TRL's microbatch of full sequences needs under the same checkpointing
-        (`planner.keeps_suffix_activations`); the prompt freed that memory. Logged as prefixflow/suffix_checkpointing."""
+        (`planner.keeps_suffix_activations`); the prompt freed that memory. Never under offload_kv, nor where
+        prefixflow_offload_auto offloaded. Logged as prefixflow/suffix_checkpointing."""
         if self._suffix_policy != "auto":
             return None
         config = config_of(unwrap(model))
