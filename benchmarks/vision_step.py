@@ -30,11 +30,12 @@ import sys
 import random
 import statistics
 import tempfile
+import time
 
 import torch
 import transformers
 from datasets import Dataset
-from transformers import PrinterCallback, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import PrinterCallback, TrainerCallback, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_prefixflow import PrefixFlowGRPOTrainer
@@ -145,10 +146,37 @@ def make_trainer(name: str, args, checkpointing: bool):
     return trainer
 
 
+def timed_image_processing(trainer) -> list[float]:
+    """Host seconds in the image processor, one entry per step (TRL runs it on every row's images, twice a step:
+    tokenizing the prompts for generation and again for the forward's tensors)."""
+    seconds, processor = [], trainer.processing_class.image_processor
+    preprocess, spent = processor.preprocess, [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return preprocess(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    class PerStep(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            spent[0] = 0.0
+
+        def on_step_end(self, *args, **kwargs):
+            seconds.append(spent[0])
+
+    processor.preprocess = timed
+    trainer.add_callback(PerStep())
+    return seconds
+
+
 def run(name: str, args, checkpointing: bool) -> dict:
     trainer = make_trainer(name, args, checkpointing)
+    processing = timed_image_processing(trainer)
     result, logs = train_measured(trainer, args.warmup)
-    result.update(groups=sum(log.get("prefixflow/groups", 0) for log in logs), flops=group_flops(trainer.model, args))
+    result.update(groups=sum(log.get("prefixflow/groups", 0) for log in logs), flops=group_flops(trainer.model, args),
+                  processing=processing[args.warmup:])
     release(trainer)
     return result
 
@@ -197,11 +225,14 @@ def measure(args, checkpointing: bool, commit: str) -> dict:
         row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
         row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
         row[f"{name}_generation_s"] = round(statistics.median(result["generation"]), 4)
+        row[f"{name}_image_processing_s"] = round(statistics.median(result["processing"]), 4)
         row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
     if "prefixflow" in runs:
         row["prefixflow_groups"] = runs["prefixflow"]["groups"]
         row["prefixflow_fallback_rows"] = runs["prefixflow"]["fallback_rows"]
     row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if len(runs) == 2 else None
+    if len(runs) == 2:  # per step pair: the timed steps ran the same prompts on both sides
+        row["step_speedups"] = [round(a / b, 3) for a, b in zip(row["stock_steps_s"], row["prefixflow_steps_s"])]
     row.update(warmup=args.warmup, timed_steps=args.steps, gpu=device_name(), torch=torch.__version__,
                transformers=transformers.__version__, commit=commit, date=datetime.date.today().isoformat())
     return row
@@ -214,14 +245,16 @@ def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
     lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
              f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
              "| model | images x tokens | text words | S | N | checkpointing | stock s | PrefixFlow s | speedup "
-             "| FLOP ratio (vision share) | peak GiB stock / PF | shared groups / fallback rows |",
-             "| --- " * 12 + "|"]
+             "| FLOP ratio (vision share) | image processor s stock / PF | peak GiB stock / PF "
+             "| shared groups / fallback rows |",
+             "| --- " * 13 + "|"]
     for r in rows:
         peaks = f"{r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')}"
         lines.append(f"| {r['model']} | {r['images']} x {r['image_tokens']} | {r['text_words']} | {r['S']} | "
                      f"{r['N']} | {'on' if r['checkpointing'] else 'off'} | {r.get('stock_s', '-')} | "
                      f"{r.get('prefixflow_s', '-')} | {r['speedup'] or '-'}x | {r['flop_ratio']}x "
-                     f"({r['vision_flop_share_stock']:.0%}) | {peaks} "
+                     f"({r['vision_flop_share_stock']:.0%}) | {r.get('stock_image_processing_s', '-')} / "
+                     f"{r.get('prefixflow_image_processing_s', '-')} | {peaks} "
                      f"| {r.get('prefixflow_groups', '-')} / {r.get('prefixflow_fallback_rows', '-')} |")
     (out / "vision_step.md").write_text("\n".join(lines) + "\n")
 
