@@ -17,6 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 from hf_prefixflow import _compat
 import hf_prefixflow
 import synthetic_vision  # examples/, on the path through conftest.py
+from test_processing import counting  # noqa: E402 - tests/ is on the path
 from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow import multimodal as mm
 from hf_prefixflow.errors import PrefixFlowError
@@ -278,8 +279,13 @@ def test_trainer_shares_image_groups_like_grpo_trainer(tmp_path, rows_in_sampler
     processor = synthetic_vision.make_processor()
     model = synthetic_vision.make_model(processor, hidden=32)
     dataset = synthetic_vision.make_dataset(rows=8, images=2)
+    images = counting(processor)
     stock = train_trainer(GRPOTrainer, copy.deepcopy(model), processor, dataset, tmp_path, **geometry)
+    stock_images = sum(images)
     ours = train_trainer(PrefixFlowGRPOTrainer, copy.deepcopy(model), processor, dataset, tmp_path, **geometry)
+    # One generation: each of its two processor calls ran every row once, as a check, and each distinct row (a
+    # group's: num_generations=4 rows) once more.
+    assert sum(images) - stock_images == stock_images + stock_images // 4
     for expected, actual in zip(stock[0], ours[0]):
         assert expected.keys() == actual.keys()
         assert any(n.startswith("model.visual") for n in actual), "the vision tower got no gradient"

@@ -40,7 +40,7 @@ from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession
 from hf_prefixflow.waves import AutoWaves
 
-from . import multimodal, routing, sequence_parallel
+from . import multimodal, processing, routing, sequence_parallel
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._rows_once = processing.RowsOnce()  # the processor runs once per distinct row of a batch
         _compat.add_fused_lm_head(self)  # the suffix waves' scoring call (TRL 1.15 on adds it itself)
         # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
         self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp_units(self.model))
@@ -311,7 +312,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return out
 
     def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)  # scoring passes inside use self._routes
+        with self._rows_once.applied(self):
+            batch = super()._generate_and_score_completions(inputs)  # scoring passes inside use self._routes
         if self._replay:
             routes, width = self._routes, batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
             if routes is not routing.UNRECORDED and (routes is None or routes.shape[0] != batch["prompt_ids"].shape[0]
