@@ -178,6 +178,7 @@ def run(name: str, args, checkpointing: bool) -> dict:
     result, logs = train_measured(trainer, args.warmup)
     result.update(groups=sum(log.get("prefixflow/groups", 0) for log in logs), flops=group_flops(trainer.model, args),
                   processing=processing[args.warmup:])
+    print(f"{name}: steps {result['warmup_steps']} + {result['steps']} s, image processor {processing} s", flush=True)
     release(trainer)
     return result
 
