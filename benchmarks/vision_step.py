@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true",
                         help="profile one step after --warmup per trainer instead of timing (trainer_step.py's ranges)")
+    parser.add_argument("--tower", action="store_true",
+                        help="time the vision tower's forward and backward on one prompt's images and on N prompts' "
+                             "(checkpointed as TRL runs it) instead of whole steps: its share of the stock step")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")
@@ -282,6 +285,39 @@ def profile(args, out: pathlib.Path, command: str, commit: str) -> None:
     print(text, flush=True)
 
 
+def tower(args, out: pathlib.Path, command: str, commit: str) -> dict:
+    """`--tower`: seconds of the vision tower's forward and backward (TRL's checkpointing) on one prompt's images,
+    as PrefixFlow's Phase A runs it, and on N prompts' images, as the stock microbatch does; median of 3 after one."""
+    processor = synthetic_vision.make_processor(patch=PATCH, image_size=image_size(args))
+    model = build_model(processor, args.tiny)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    images = dataset(args, 1)[0]["images"]
+    inputs = processor.image_processor(images=images, return_tensors="pt")
+    device = next(model.parameters()).device
+    pixels, grid = inputs["pixel_values"].to(device, torch.bfloat16 if device.type == "cuda" else None), \
+        inputs["image_grid_thw"].to(device)
+    row = {"images": args.images, "image_tokens": args.image_tokens, "N": args.n, "gpu": device_name(),
+           "commit": commit, "command": command}
+    for copies in (1, args.n):
+        times = []
+        for _ in range(4):
+            sync()
+            start = time.perf_counter()
+            embedded = model.model.visual(pixels.repeat(copies, 1), grid_thw=grid.repeat(copies, 1))
+            if not isinstance(embedded, torch.Tensor):  # transformers 5.x: the merged tokens are the pooler output
+                embedded = embedded.pooler_output if embedded.pooler_output is not None else embedded[0]
+            embedded.float().sum().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        row[f"tower_s_{copies}_prompts"] = round(statistics.median(times[1:]), 4)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vision_tower.json").write_text(json.dumps(row, indent=1))
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
@@ -290,6 +326,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile:
         profile(args, out, command, commit)
         return rows
+    if args.tower:
+        return [tower(args, out, command, commit)]
     for checkpointing in {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]:
         rows.append(measure(args, checkpointing, commit))
         write(rows, out, command)
