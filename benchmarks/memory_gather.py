@@ -3,9 +3,10 @@
     python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json
     python benchmarks/memory_gather.py --from-log RUN/frontier.log --meta commit=abc,cap_gib=24,... --out RUN/x.json
 
-Rows come from the files' fixed rows (later files win for the same model, P, S, policy and offload mode); the
+Rows come from the files' fixed rows (later files win for the same model, P, S, policy, offload mode and extra
+recompute); the
 frontier searches from every file's `frontier` list. Each row gets the frontier of the proportional search at its
-own P/S, policy and offload mode, where one was run: the longest trainable P + S of PrefixFlow from the latest file
+own P/S, policy, offload mode and extra recompute, where one was run: the longest trainable P + S of PrefixFlow from the latest file
 that searched it, of the baseline the longest any file found (the ratio never flatters PrefixFlow). Every row and
 search keeps the file it came from in `source`.
 
@@ -93,14 +94,14 @@ def main() -> None:
         report = json.loads(path.read_text())
         source = f"{path.parent.name}/{path.name}"
         for row in report.get("rows", []):
-            rows[row["model"], row["P"], row["S"], row["policy"], mode(row)] = {
+            rows[row["model"], row["P"], row["S"], row["policy"], mode(row), row.get("extra_recompute")] = {
                 **{k: row.get(k) for k in FIELDS}, "source": source}
         searches += [{**search, "source": source} for search in report.get("frontier", [])]
     frontiers: dict[tuple, dict] = {}
     for search in searches:
         if search["search"] != "proportional" or not search["prefixflow_frontier_tokens"]:
             continue
-        key = (search["model"], search["proportions"], search["policy"], mode(search))
+        key = (search["model"], search["proportions"], search["policy"], mode(search), search.get("extra_recompute"))
         best = frontiers.get(key, {})
         frontiers[key] = {
             "baseline_frontier_tokens": max(best.get("baseline_frontier_tokens", 0),
@@ -109,8 +110,8 @@ def main() -> None:
             "frontier_stop": search["prefixflow_search"]["stop"], "frontier_cap_gib": search["cap_gib"],
             "frontier_source": ", ".join(dict.fromkeys(filter(None, [best.get("frontier_source"), search["source"]])))}
     table = []
-    for (model, p, s, policy, offload), row in rows.items():
-        found = frontiers.get((model, f"{p}/{s}", policy, offload))
+    for (model, p, s, policy, offload, recompute), row in rows.items():
+        found = frontiers.get((model, f"{p}/{s}", policy, offload, recompute))
         frontier = {"baseline_frontier_tokens": None, "prefixflow_frontier_tokens": None, "frontier_ratio": None}
         if found:
             frontier = {**found, "frontier_ratio": round(found["prefixflow_frontier_tokens"]

@@ -438,21 +438,42 @@ def keeps_suffix_activations(tokens: TokenBytes, prompts: list[int], completion_
 OFFLOAD_MODES = ((False, False), (True, False), (True, True))  # (offload, offload_kv), cheapest first
 
 
-def offload_for(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int], budget: float,
-                checkpointing: str = "full", prefix_recompute: float | None = None,
-                allow_kv: bool = True) -> tuple[bool, bool]:
-    """The cheapest offload mode under which a run of groups fits in `budget` device bytes on top of what is
-    allocated (the trainer's `prefixflow_offload_auto`). The groups' prompt state (`prefix`, `kv_grad`) coexists;
-    one group's phase transient at a time; each group's completions in one wave, recomputed under checkpointing.
+def run_need(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int],
+             checkpointing: str = "full", offload: bool = False, offload_kv: bool = False,
+             prefix_recompute: float | None = None, suffix_checkpointing: bool = True) -> float:
+    """Device bytes a run of groups adds on top of what is allocated: the groups' prompt state coexists (and, where
+    the waves keep their activations, every wave's: they backpropagate together); one group's phase transient at a
+    time; each group's completions in one wave.
 
     Args:
         tokens: the model's byte model (`token_bytes`).
         prompts: each group's prompt tokens P.
         completion_tokens: the run's completion width S.
         rows: each group's completions in the run.
-        budget: device bytes the run may add.
         checkpointing: the policy of both sides.
+        offload, offload_kv: PrefixFlow's offload mode.
         prefix_recompute: the user's `prefix_recompute` (None: the library's default per mode).
+        suffix_checkpointing: whether the waves recompute their activations in the backward.
+    """
+    share = PrefixFlowConfig(offload=offload, prefix_recompute=prefix_recompute).recompute_share
+    held = transient = 0.0
+    for prompt, count in zip(prompts, rows):
+        *phases, parts = prefixflow_peaks(tokens, 0.0, prompt, completion_tokens, count, checkpointing, offload,
+                                          share, suffix_checkpointing, offload_kv)
+        group = parts["prefix"] + parts["kv_grad"] + (0 if suffix_checkpointing else parts["wave"])
+        held, transient = held + group, max(transient, max(phases) - group)
+    return held + transient
+
+
+def offload_for(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int], budget: float,
+                checkpointing: str = "full", prefix_recompute: float | None = None,
+                allow_kv: bool = True) -> tuple[bool, bool]:
+    """The cheapest offload mode under which a run of groups, its waves recomputed under checkpointing, fits in
+    `budget` device bytes on top of what is allocated (`run_need`; the trainer's `prefixflow_offload_auto`).
+
+    Args:
+        tokens, prompts, completion_tokens, rows, checkpointing, prefix_recompute: as `run_need` takes them.
+        budget: device bytes the run may add.
         allow_kv: whether `offload_kv` may be picked (not where a parallel rule moves K/V).
 
     Returns:
@@ -463,16 +484,10 @@ def offload_for(tokens: TokenBytes, prompts: list[int], completion_tokens: int, 
     for offload, kv in OFFLOAD_MODES:
         if kv and not allow_kv:
             continue
-        share = PrefixFlowConfig(offload=offload, prefix_recompute=prefix_recompute).recompute_share
-        held = transient = 0.0
-        for prompt, count in zip(prompts, rows):
-            *phases, parts = prefixflow_peaks(tokens, 0.0, prompt, completion_tokens, count, checkpointing, offload,
-                                              share, True, kv)
-            group = parts["prefix"] + parts["kv_grad"]
-            held, transient = held + group, max(transient, max(phases) - group)
-        if held + transient <= budget:
+        need = run_need(tokens, prompts, completion_tokens, rows, checkpointing, offload, kv, prefix_recompute)
+        if need <= budget:
             return offload, kv
-        needs.append((held + transient, (offload, kv)))
+        needs.append((need, (offload, kv)))
     return min(needs)[1]
 
 

@@ -228,6 +228,14 @@ def test_the_trainer_s_automatic_offload_picks_the_cheapest_mode_that_fits():
     assert planner.offload_for(tokens, *run, budget=needs[True, False] - 1) == (True, True)
     assert planner.offload_for(tokens, *run, budget=needs[True, False] - 1, allow_kv=False) == (True, False)
     assert planner.offload_for(tokens, *run, budget=0) == (True, True)  # none fits: the one needing least
+    for (offload, kv), need in needs.items():
+        assert planner.run_need(tokens, *run, offload=offload, offload_kv=kv) == pytest.approx(need)
+    # Waves keeping their activations: every group's wave coexists with the prompt state.
+    parts = [planner.prefixflow_peaks(tokens, 0.0, p, 2048, 8, "full", False, 0.0, False) for p in run[0]]
+    held = [b["prefix"] + b["kv_grad"] + b["wave"] for *_, b in parts]
+    kept = sum(held) + max(max(phases) - h for (*phases, _), h in zip(parts, held))
+    assert planner.run_need(tokens, *run, suffix_checkpointing=False) == pytest.approx(kept)
+    assert kept > needs[False, False]
 
 
 def test_suffix_activations_are_kept_where_the_full_sequence_microbatch_needs_more():

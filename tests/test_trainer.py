@@ -246,23 +246,32 @@ def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):
     assert parked
 
 
-@pytest.mark.parametrize("budget, mode", [(float("inf"), 0.0), (0.0, 1.0), ("kv", 2.0)])
-def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget, mode):
+@pytest.mark.parametrize("budget, mode, recomputed", [(float("inf"), 0.0, 0.0), ("no room to keep", 0.0, 1.0),
+                                                     (0.0, 1.0, 1.0), ("kv", 2.0, 1.0)])
+def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget, mode, recomputed):
     """prefixflow_offload_auto: each run's new groups get the cheapest offload mode the planner fits in the free
     device memory: none when plenty is free; when nothing fits, the one needing least (for this two-layer model
     offload, which streaming the K/V would not beat); K/V on the host where the planner says so (forced here). The
-    stock trainer's gradients, weights and metrics in every case."""
+    'auto' suffix policy keeps the waves' activations only where no offload was needed and keeping them fits the
+    same free memory (the room to keep them taken away here). The stock trainer's gradients, weights and metrics in
+    every case."""
     budgets = []
+    # Within the stock microbatch's memory keeping fits (the 'auto' policy's other bound, planner-tested).
+    monkeypatch.setattr(pf_grpo, "keeps_suffix_activations", lambda *args, **kwargs: True)
     if budget == "kv":
         monkeypatch.setattr(pf_grpo, "offload_for", lambda *args, **kwargs: (True, True))
-    free = 0.0 if budget == "kv" else budget
+    if budget == "no room to keep":
+        need = pf_grpo.run_need
+        monkeypatch.setattr(pf_grpo, "run_need", lambda *args, **kwargs: float("inf")
+                            if kwargs.get("suffix_checkpointing") is False else need(*args, **kwargs))
+    free = 0.0 if budget == "kv" else 1e30 if budget == "no room to keep" else budget
     monkeypatch.setattr(pf_grpo, "free_device_bytes", lambda model: budgets.append(free) or free)
     stock, pf = both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
                      gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True)
     assert_aligned(stock, pf)
     assert budgets and {log["prefixflow/offload"] for log in pf[2] if "loss" in log} == {mode}
-    if mode:  # offloaded as planned with the waves recomputing (and kept activations would hold streamed K/V)
-        assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {1.0}
+    # Offloaded as planned with the waves recomputing (kept activations would hold streamed K/V); kept with room.
+    assert {log["prefixflow/suffix_checkpointing"] for log in pf[2] if "loss" in log} == {recomputed}
     with pytest.raises(PrefixFlowError, match="prefixflow_offload_auto picks"):
         both(tmp_path / "refused", steps=1, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True,
              prefixflow_offload=True)

@@ -35,7 +35,7 @@ from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
-from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, token_bytes
+from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, run_need, token_bytes
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession
 from hf_prefixflow.waves import AutoWaves
@@ -173,6 +173,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
         self._merge_cap = 1  # microbatches per run for the buffered generation
         self._token_bytes: TokenBytes | None = None  # the planner's byte model, for prefixflow_suffix_checkpointing
+        self._auto_keep_fits = True  # prefixflow_offload_auto: whether the open groups' waves may keep activations
         self._window_position = 0  # microbatches of this accumulation window already trained
         self._served: tuple | None = None  # a run's log-probs and entropies of the microbatch TRL's loss reads next
         self._follow: list[torch.Tensor] = []  # losses of the current run's microbatches still to come
@@ -683,10 +684,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if not opening:
             return
         checkpointing = "full" if self.args.gradient_checkpointing else "none"
-        offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
-                                  completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
-                                  checkpointing, self.prefixflow_prefix_recompute,
+        run = (self._planner_tokens(model), [len(g.prefix_ids) for g in opening], completion_width,
+               [len(g.rows) for g in opening])
+        budget = free_device_bytes(model)
+        offload, kv = offload_for(*run, budget, checkpointing, self.prefixflow_prefix_recompute,
                                   allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
+        # The 'auto' suffix policy may keep the waves' activations only where that fits the same free memory too.
+        self._auto_keep_fits = not offload and run_need(
+            *run, checkpointing, prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=False) <= budget
         apply_prefixflow(model, offload=offload, offload_kv=kv)
         self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
 
@@ -694,13 +699,13 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
         them fits in the memory TRL's microbatch of full sequences needs under the same checkpointing
         (`planner.keeps_suffix_activations`); the prompt freed that memory. Never under offload_kv, nor where
-        prefixflow_offload_auto offloaded. Logged as prefixflow/suffix_checkpointing."""
+        prefixflow_offload_auto offloaded or found no room for them. Logged as prefixflow/suffix_checkpointing."""
         if self._suffix_policy != "auto":
             return None
         config = config_of(unwrap(model))
-        # With offload_kv kept activations would hold every layer's K/V through a wave; and where
-        # prefixflow_offload_auto had to offload, it planned the run's waves recomputing.
-        tight = config.offload_kv or (self.prefixflow_offload_auto and config.offload)
+        # With offload_kv kept activations would hold every layer's K/V through a wave; prefixflow_offload_auto
+        # planned the run's waves recomputing where it offloaded or where keeping them would not fit.
+        tight = config.offload_kv or (self.prefixflow_offload_auto and (config.offload or not self._auto_keep_fits))
         keep = not tight and keeps_suffix_activations(
             self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
             [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
