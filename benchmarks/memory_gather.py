@@ -120,6 +120,33 @@ def main() -> None:
     args.out.write_text(json.dumps({"sources": [str(p) for p in args.files], "rows": table, "frontier": searches},
                                    indent=1))
     print(f"{len(table)} rows, {len(searches)} searches -> {args.out}")
+    print(readme_table(table))
+
+
+# The README's memory table: (model, policy, offload mode, extra recompute) at 10k/2k, N=16.
+README_ROWS = (("qwen3-1.7b", "none", "on", "prefix layers (share 1)"), ("qwen3-1.7b", "none", "on", "none"),
+               ("qwen3-1.7b", "none", "kv", "prefix layers (share 1)"), ("qwen3-1.7b", "full", "kv", "none"),
+               ("qwen3-1.7b", "selective", "kv", "none"), ("llama3-8b", "none", "kv", "prefix layers (share 1)"),
+               ("llama3-8b", "full", "kv", "none"))
+MODELS = {"qwen3-1.7b": "Qwen3-1.7B", "llama3-8b": "Llama3-8B"}
+OFFLOAD = {"on": "`offload`", "kv": "`offload_kv`"}
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's memory table, rendered from the gathered rows (tests/test_readme.py checks the README holds it)."""
+    lines = ["| shape, checkpointing (both sides) | PrefixFlow | Phase-B peak GiB | longest P + S | step time |",
+             "| --- | --- | --- | --- | --- |"]
+    for model, policy, offload, recompute in README_ROWS:
+        row = next(r for r in rows if (r["model"], r["P"], r["S"], r["policy"], mode(r), r["extra_recompute"])
+                   == (model, 10240, 2048, policy, offload, recompute))
+        extra = "" if recompute == "none" else ", prompt recomputed"
+        frontier = "-" if row["frontier_ratio"] is None else f"{row['frontier_ratio']:.2f}x"
+        if row.get("frontier_stop") == "time cap":
+            frontier = f">= {frontier}"
+        lines.append(f"| {MODELS[model]}, {policy} | {OFFLOAD[offload]}{extra} | {row['baseline_peak_gib']:.1f} -> "
+                     f"{row['prefixflow_phase_b_peak_gib']:.1f} ({-row['phase_b_reduction']:+.0%}) | {frontier} | "
+                     f"{row['time_ratio']:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
