@@ -10,8 +10,8 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (BatchFeature, CLIPImageProcessor, Idefics3ImageProcessor, Idefics3Processor, LlavaProcessor,
-                          PreTrainedTokenizerFast)
+from transformers import (BatchFeature, CLIPImageProcessorPil, Idefics3ImageProcessorPil, Idefics3Processor,
+                          LlavaProcessor, PreTrainedTokenizerFast)
 
 import synthetic_vision
 from hf_prefixflow.trainers import processing
@@ -33,13 +33,13 @@ def qwen2_vl():
 
 
 def llava():
-    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     return LlavaProcessor(image_processor=images, tokenizer=_tokenizer(), patch_size=14,
                           vision_feature_select_strategy="default"), "<image>"
 
 
 def idefics3():
-    images = Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": 28},
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 28},
                                     max_image_size={"longest_edge": 28})
     return Idefics3Processor(image_processor=images, tokenizer=_tokenizer(), image_seq_len=2), "<image>"
 
