@@ -1,6 +1,6 @@
 """Gather `benchmarks/memory.py` runs into the table the README reads: `benchmarks/results/memory_like_for_like.json`.
 
-    python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json
+    python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json --readme
     python benchmarks/memory_gather.py --from-log RUN/frontier.log --meta commit=abc,cap_gib=24,... --out RUN/x.json
 
 Rows come from the files' fixed rows (later files win for the same model, P, S, policy, offload mode and extra
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("files", nargs="*", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path("benchmarks/results/memory_like_for_like.json"))
+    parser.add_argument("--readme", action="store_true", help="also print the README's memory table")
     parser.add_argument("--from-log", type=pathlib.Path, default=None, help="a memory.py log to rebuild searches from")
     parser.add_argument("--meta", default="", help="KEY=VALUE,... for --from-log: model, proportions, cap_gib, "
                                                    "resolution, gpu, commit (scoring, extra_recompute optional)")
@@ -120,7 +121,8 @@ def main() -> None:
     args.out.write_text(json.dumps({"sources": [str(p) for p in args.files], "rows": table, "frontier": searches},
                                    indent=1))
     print(f"{len(table)} rows, {len(searches)} searches -> {args.out}")
-    print(readme_table(table))
+    if args.readme:
+        print(readme_table(table))
 
 
 # The README's memory table: (model, policy, offload mode, extra recompute) at 10k/2k, N=16.

@@ -76,7 +76,7 @@ def test_memory_benchmark_and_its_gather_run_on_the_cpu(tmp_path):
     assert all(not r["error"] and r["max_gradient_difference"] < 1e-4 for r in rows)
     assert report["verdicts"]["kv_vs_on_max_difference"] == report["verdicts"]["on_vs_on_max_difference"] == 0.0
     search = {"model": "tiny", "search": "proportional", "proportions": "80/16", "policy": "full", "offload": True,
-              "offload_kv": True,
+              "offload_kv": True, "extra_recompute": "none",
               "cap_gib": 1.0, "prefixflow_search": {"stop": "resolution"}}
     runs = [{"frontier": [{**search, "baseline_frontier_tokens": 100, "prefixflow_frontier_tokens": 150}]},
             {"frontier": [{**search, "baseline_frontier_tokens": 90, "prefixflow_frontier_tokens": 190}]}]
