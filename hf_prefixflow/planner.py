@@ -441,9 +441,9 @@ OFFLOAD_MODES = ((False, False), (True, False), (True, True))  # (offload, offlo
 def run_need(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int],
              checkpointing: str = "full", offload: bool = False, offload_kv: bool = False,
              prefix_recompute: float | None = None, suffix_checkpointing: bool = True) -> float:
-    """Device bytes a run of groups adds on top of what is allocated: the groups' prompt state coexists (and, where
-    the waves keep their activations, every wave's: they backpropagate together); one group's phase transient at a
-    time; each group's completions in one wave.
+    """Device bytes a run of groups adds on top of what is allocated: the groups' prompt state and their waves'
+    activations (checkpointed layer inputs, or all of them where the waves keep them) coexist, for the run's waves
+    backpropagate together; one group's phase transient at a time; each group's completions in one wave.
 
     Args:
         tokens: the model's byte model (`token_bytes`).
@@ -460,7 +460,7 @@ def run_need(tokens: TokenBytes, prompts: list[int], completion_tokens: int, row
     for prompt, count in zip(prompts, rows):
         *phases, parts = prefixflow_peaks(tokens, 0.0, prompt, completion_tokens, count, checkpointing, offload,
                                           share, suffix_checkpointing, offload_kv)
-        group = parts["prefix"] + parts["kv_grad"] + (0 if suffix_checkpointing else parts["wave"])
+        group = parts["prefix"] + parts["kv_grad"] + parts["wave"]
         held, transient = held + group, max(transient, max(phases) - group)
     return held + transient
 

@@ -6,9 +6,13 @@ check and sharing turns off, the outputs still those of every row."""
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 
+import numpy as np
+import PIL.Image
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (BatchFeature, CLIPImageProcessorPil, Idefics3ImageProcessorPil, Idefics3Processor,
                           LlavaProcessor, PreTrainedTokenizerFast)
@@ -144,9 +148,48 @@ def test_a_wrong_repetition_is_caught_and_sharing_turns_off(family, monkeypatch,
         assert holder.processing_class is processor  # off for the rest of the run
 
 
-def test_a_length_read_two_ways_processes_every_row():
-    """Distinct rows holding two images and none: a length-2 output reads per row and per image differently, so
-    nothing is repeated."""
-    out = BatchFeature({"input_ids": [[1], [2]], "image_sizes": [[28, 28], [28, 28]]})
-    assert processing.repeat_rows(out, [0, 0, 1], [2, 0]) is None
-    assert processing.repeat_rows(out, [0, 0, 1], [1, 1]) is not None
+def test_layouts_it_cannot_read_process_every_row():
+    """Several entries per image (tiles, pan-and-scan crops) whose count happens to equal the rows', an output of an
+    unknown name, a 0-d output: nothing is repeated."""
+    tiles = BatchFeature({"input_ids": [[1], [2], [3]], "pixel_values": np.zeros((3, 3, 2, 2))})
+    assert processing.repeat_rows(tiles, [0, 0, 1, 2], [1, 0, 0]) is None
+    assert processing.repeat_rows(BatchFeature({"input_ids": [[1], [2]], "num_crops": [0, 0]}), [0, 1, 1], [1, 1]) is None
+    assert processing.repeat_rows(BatchFeature({"input_ids": torch.tensor(1)}), [0, 0], [1]) is None
+    one_each = BatchFeature({"input_ids": [[1], [2]], "image_sizes": [[28, 28], [28, 28]]})
+    assert processing.repeat_rows(one_each, [0, 0, 1], [1, 1])["image_sizes"] == [[28, 28]] * 3
+
+
+def test_rows_without_images_and_calls_with_videos():
+    processor, placeholder = qwen2_vl()
+    text, images = batch(placeholder)
+    text += ["what is it"] * 2
+    images += [[], []]
+    sharing, holder, seen = processing.RowsOnce(), Holder(processor), counting(processor)
+    expected = processor(images=images, text=text, padding=True, return_tensors="pt")
+    for _ in range(2):
+        with sharing.applied(holder):
+            out = holder.processing_class(images=images, text=text, padding=True, return_tensors="pt")
+        assert processing.same_outputs(out, expected)
+    assert sharing.enabled and seen[-1] == 3
+    calls = []
+    sharing.call(lambda **kwargs: calls.append(kwargs), {"images": images, "text": text, "videos": [[1]] * len(text)})
+    assert len(calls) == 1 and calls[0]["images"] is images  # with videos: every row, as given
+
+
+def test_images_equal_only_with_their_metadata():
+    """A palette image with a transparent index reads other pixels than the same bytes without it."""
+    plain = PIL.Image.new("P", (4, 4))
+    plain.putpalette([0, 0, 0, 255, 255, 255] * 128)
+    transparent = plain.copy()
+    transparent.info["transparency"] = 1
+    assert processing._same_image(plain, plain.copy())
+    assert not processing._same_image(plain, transparent)
+    assert not processing._same_image(plain, np.zeros((4, 4)))
+
+
+def test_a_view_pickles_as_its_processor():
+    processor, _ = qwen2_vl()
+    holder = Holder(processor)
+    with processing.RowsOnce().applied(holder):
+        copy = pickle.loads(pickle.dumps(holder.processing_class))
+    assert type(copy) is type(processor) and copy.image_processor.patch_size == processor.image_processor.patch_size

@@ -173,7 +173,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
         self._merge_cap = 1  # microbatches per run for the buffered generation
         self._token_bytes: TokenBytes | None = None  # the planner's byte model, for prefixflow_suffix_checkpointing
-        self._auto_keep_fits = True  # prefixflow_offload_auto: whether the open groups' waves may keep activations
         self._window_position = 0  # microbatches of this accumulation window already trained
         self._served: tuple | None = None  # a run's log-probs and entropies of the microbatch TRL's loss reads next
         self._follow: list[torch.Tensor] = []  # losses of the current run's microbatches still to come
@@ -683,15 +682,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         the device memory free now less the gradients not yet allocated; groups already open keep theirs."""
         if not opening:
             return
-        checkpointing = "full" if self.args.gradient_checkpointing else "none"
-        run = (self._planner_tokens(model), [len(g.prefix_ids) for g in opening], completion_width,
-               [len(g.rows) for g in opening])
-        budget = free_device_bytes(model)
-        offload, kv = offload_for(*run, budget, checkpointing, self.prefixflow_prefix_recompute,
+        offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
+                                  completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
+                                  self._checkpointing_policy(), self.prefixflow_prefix_recompute,
                                   allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
-        # The 'auto' suffix policy may keep the waves' activations only where that fits the same free memory too.
-        self._auto_keep_fits = not offload and run_need(
-            *run, checkpointing, prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=False) <= budget
         apply_prefixflow(model, offload=offload, offload_kv=kv)
         self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
 
@@ -705,13 +699,25 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         config = config_of(unwrap(model))
         # With offload_kv kept activations would hold every layer's K/V through a wave; prefixflow_offload_auto
         # planned the run's waves recomputing where it offloaded or where keeping them would not fit.
-        tight = config.offload_kv or (self.prefixflow_offload_auto and (config.offload or not self._auto_keep_fits))
+        tight = config.offload_kv or (self.prefixflow_offload_auto and (
+            config.offload or not self._keeping_fits(model, groups, completion_width)))
         keep = not tight and keeps_suffix_activations(
             self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
             [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
             share=config.recompute_share)
         self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
         return not keep
+
+    def _keeping_fits(self, model, groups: list[BatchGroup], completion_width: int) -> bool:
+        """prefixflow_offload_auto: whether the run's waves keeping their activations fits the free device memory
+        (`planner.run_need`; the state of groups already open is allocated and counted again: conservative)."""
+        need = run_need(self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
+                        [len(g.rows) for g in groups], self._checkpointing_policy(),
+                        prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=False)
+        return need <= free_device_bytes(model)
+
+    def _checkpointing_policy(self) -> str:
+        return "full" if self.args.gradient_checkpointing else "none"
 
     def _check_merge(self) -> int | None:
         """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""

@@ -4,9 +4,11 @@ tensors). `RowsOnce.applied(trainer)` lets it process each distinct row (same te
 repeats its outputs; the first call of each kind is also processed whole and compared, and a difference turns the
 sharing off for the run, logged.
 
-The outputs' leading dimension tells their layout: per row (token ids, masks, Idefics3's per-row pixel tensors), per
-image (`image_grid_thw`, `image_sizes`, one pixel tensor per image) or per patch (Qwen-VL's `pixel_values`, cut by
-`image_grid_thw`). Where two layouts would read one length differently, the rows are processed whole.
+Each output's layout is known by its name: per row (token ids, masks, token types; Idefics3's `pixel_values` stacked
+per row, 5-D, and its `pixel_attention_mask`), per image (`image_grid_thw`, `image_sizes`, one pixel tensor per image)
+or per patch (Qwen-VL's `pixel_values`, cut by `image_grid_thw`). An output of another name, or whose length does not
+match its layout (tiled or cropped images: several entries per image), has the rows processed whole, as do calls
+with videos or audio.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class RowsOnce:
     def _view(self, processor):
         cls = type(processor)
         if cls not in self._views:
-            self._views[cls] = type(cls.__name__, (cls,), {"__call__": _call_once_per_row, "_rows_once": self})
+            self._views[cls] = type(cls.__name__, (cls,), {"__call__": _call_once_per_row, "_rows_once": self,
+                                                           "__reduce_ex__": _reduce_as_processor})
         view = object.__new__(self._views[cls])
         view.__dict__ = processor.__dict__  # the same processor: settings and sub-processors shared, nothing copied
         return view
@@ -53,14 +56,18 @@ class RowsOnce:
     def call(self, process, kwargs: dict):
         """`process(**kwargs)` with each distinct row processed once, or every row where it cannot be shared."""
         images, text = kwargs.get("images"), kwargs.get("text")
-        if not self.enabled or not _rows(images, text):
+        others = any(kwargs.get(name) is not None for name in ("videos", "audio", "audio_from_video_indices"))
+        if not self.enabled or others or not _rows(images, text):
             return process(**kwargs)
         firsts, index = distinct_rows(text, images)
         if len(firsts) == len(index):
             return process(**kwargs)
-        once = process(**{**kwargs, "images": [images[r] for r in firsts], "text": [text[r] for r in firsts]})
-        out = repeat_rows(once, index, [len(images[r] or []) for r in firsts])
-        kind = (tuple(sorted(once.keys())), str(kwargs.get("return_tensors")))
+        try:
+            once = process(**{**kwargs, "images": [images[r] for r in firsts], "text": [text[r] for r in firsts]})
+        except Exception:  # whatever the distinct rows raise, every row decides: processed whole below
+            once = None
+        out = None if once is None else repeat_rows(once, index, [len(images[r] or []) for r in firsts])
+        kind = (tuple(sorted(once.keys())) if once is not None else None, str(kwargs.get("return_tensors")))
         if out is not None and kind in self.checked:
             return out
         whole = process(**kwargs)
@@ -74,6 +81,17 @@ class RowsOnce:
             logger.warning("PrefixFlow: the processor's outputs for repeated rows differ from processing every row; "
                            "every row is processed from now on.")
         return whole
+
+
+def _reduce_as_processor(self, protocol):
+    """A view pickles as the processor it shows."""
+    processor = object.__new__(type(self).__mro__[1])
+    processor.__dict__ = self.__dict__
+    return _as_is, (processor,)
+
+
+def _as_is(processor):
+    return processor
 
 
 def _call_once_per_row(self, *args, **kwargs):
@@ -109,36 +127,42 @@ def _same_image(x, y) -> bool:
         return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
     if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
         return x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
-    if hasattr(x, "tobytes") and hasattr(y, "tobytes") and hasattr(x, "mode"):  # PIL
-        return (x.mode, x.size, x.getpalette()) == (y.mode, y.size, y.getpalette()) and x.tobytes() == y.tobytes()
+    if all(hasattr(i, "getpalette") and hasattr(i, "tobytes") for i in (x, y)):  # PIL: metadata too (transparency)
+        return ((x.mode, x.size, x.info, x.getpalette("RGBA") if x.palette else None)
+                == (y.mode, y.size, y.info, y.getpalette("RGBA") if y.palette else None) and x.tobytes() == y.tobytes())
     return False
+
+
+ROW_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "batch_num_images")
+IMAGE_KEYS = ("image_grid_thw", "image_sizes")
+
+
+def layout(name: str, out) -> str | None:
+    """How output `name` lines up with the rows: "row", "image", "patch" (by `image_grid_thw`) or None (unknown)."""
+    pixels = out.get("pixel_values")
+    stacked_per_row = getattr(pixels, "ndim", 0) == 5 and "image_sizes" not in out  # Idefics3, not LLaVA-OneVision
+    if name in ROW_KEYS or (name in ("pixel_values", "pixel_attention_mask") and stacked_per_row):
+        return "row"
+    if name == "pixel_values":
+        return "patch" if "image_grid_thw" in out else "image"
+    return "image" if name in IMAGE_KEYS else None
 
 
 def repeat_rows(out, index: list[int], images_per_row: list[int]):
     """`out` (the processor's outputs for the distinct rows) as the outputs for every row (`index`: each row's distinct
-    row; `images_per_row`: the distinct rows' image counts), or None where a length reads as two layouts or none."""
-    rows, images = len(images_per_row), sum(images_per_row)
-    image_take = _spans(images_per_row, index)
+    row; `images_per_row`: the distinct rows' image counts), or None where an output's layout is unknown or its length
+    does not match it."""
+    counts = {"row": [1] * len(images_per_row), "image": images_per_row}
     grid = out.get("image_grid_thw")
+    if grid is not None:
+        patches = [int(np.prod(list(g))) for g in grid]
+        counts["patch"] = [sum(patches[s:e]) for s, e in _bounds(images_per_row)]
     repeated = {}
     for name, value in out.items():
-        if not hasattr(value, "__len__"):
+        kind = layout(name, out)
+        if kind is None or kind not in counts or getattr(value, "ndim", 1) == 0 or len(value) != sum(counts[kind]):
             return None
-        length = len(value)
-        if name == "pixel_values" and grid is not None:
-            patches = [int(np.prod(list(g))) for g in grid]
-            if length != sum(patches):
-                return None
-            take = _spans([sum(patches[s:e]) for s, e in _bounds(images_per_row)], index)
-        elif length == rows == images and index != image_take:
-            return None
-        elif length == rows:
-            take = index
-        elif length == images:
-            take = image_take
-        else:
-            return None
-        repeated[name] = _take(value, take)
+        repeated[name] = _take(value, _spans(counts[kind], index))
     return type(out)(data=repeated)
 
 
