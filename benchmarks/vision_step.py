@@ -287,7 +287,8 @@ def profile(args, out: pathlib.Path, command: str, commit: str) -> None:
 
 def tower(args, out: pathlib.Path, command: str, commit: str) -> dict:
     """`--tower`: seconds of the vision tower's forward and backward (TRL's checkpointing) on one prompt's images,
-    as PrefixFlow's Phase A runs it, and on N prompts' images, as the stock microbatch does; median of 3 after one."""
+    as PrefixFlow's Phase A runs it, and on N prompts' images, as the stock microbatch does; median of 3 after one,
+    each timing printed as it ends."""
     processor = synthetic_vision.make_processor(patch=PATCH, image_size=image_size(args))
     model = build_model(processor, args.tiny)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -310,6 +311,7 @@ def tower(args, out: pathlib.Path, command: str, commit: str) -> dict:
             embedded.float().sum().backward()
             sync()
             times.append(time.perf_counter() - start)
+            print(f"vision tower, {copies} prompt(s) of images: {times[-1]:.3f} s", flush=True)  # kept if cut short
         model.zero_grad(set_to_none=True)
         row[f"tower_s_{copies}_prompts"] = round(statistics.median(times[1:]), 4)
     out.mkdir(parents=True, exist_ok=True)
