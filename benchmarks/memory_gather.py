@@ -143,7 +143,7 @@ def readme_table(rows: list[dict]) -> str:
                    == (model, 10240, 2048, policy, offload, recompute))
         extra = "" if recompute == "none" else ", prompt recomputed"
         frontier = "-" if row["frontier_ratio"] is None else f"{row['frontier_ratio']:.2f}x"
-        if row.get("frontier_stop") == "time cap":
+        if row.get("frontier_stop") not in (None, "resolution"):  # the longest it trained before it stopped
             frontier = f">= {frontier}"
         lines.append(f"| {MODELS[model]}, {policy} | {OFFLOAD[offload]}{extra} | {row['baseline_peak_gib']:.1f} -> "
                      f"{row['prefixflow_phase_b_peak_gib']:.1f} ({-row['phase_b_reduction']:+.0%}) | {frontier} | "

@@ -182,9 +182,10 @@ def test_images_equal_only_with_their_metadata():
     plain.putpalette([0, 0, 0, 255, 255, 255] * 128)
     transparent = plain.copy()
     transparent.info["transparency"] = 1
-    assert processing._same_image(plain, plain.copy())
-    assert not processing._same_image(plain, transparent)
-    assert not processing._same_image(plain, np.zeros((4, 4)))
+    content = processing.image_content
+    assert content(plain) == content(plain.copy())
+    assert content(plain) != content(transparent)
+    assert content(np.zeros((4, 4), np.uint8)) != content(PIL.Image.new("L", (4, 4)))
 
 
 def test_a_view_pickles_as_its_processor():

@@ -1,7 +1,7 @@
 """The processor once per distinct row: a GRPO batch repeats each prompt, images included, `num_generations` times,
 and TRL runs the processor on every row, twice a step (the prompts' tokens for generation, then the forward's
-tensors). `RowsOnce.applied(trainer)` lets it process each distinct row (same text, images equal pixel for pixel) once and
-repeats its outputs; the first call of each kind is also processed whole and compared, and a difference turns the
+tensors). `RowsOnce.applied(trainer)` lets it process each distinct row (same text, images equal pixel for pixel)
+once and repeats its outputs; the first call of each kind is also processed whole and compared, and a difference turns the
 sharing off for the run, logged.
 
 Each output's layout is known by its name: per row (token ids, masks, token types; Idefics3's `pixel_values` stacked
@@ -106,10 +106,18 @@ def _rows(images, text) -> bool:
 
 def distinct_rows(text: list[str], images: list) -> tuple[list[int], list[int]]:
     """The first row of each distinct (text, images) and, per row, the position of its distinct row in that list."""
-    firsts, index = [], []
+    firsts, index, contents = [], [], {}
+
+    def content(image):  # each image read once per call
+        if id(image) not in contents:
+            contents[id(image)] = image_content(image)
+        return contents[id(image)]
+
     for row, (words, pictures) in enumerate(zip(text, images)):
-        match = next((k for k, first in enumerate(firsts)
-                      if text[first] == words and _same_images(images[first], pictures)), None)
+        pictures = pictures or []
+        match = next((k for k, first in enumerate(firsts) if text[first] == words
+                      and len(images[first] or []) == len(pictures)
+                      and all(content(a) == content(b) for a, b in zip(images[first] or [], pictures))), None)
         if match is None:
             firsts.append(row)
             match = len(firsts) - 1
@@ -117,20 +125,17 @@ def distinct_rows(text: list[str], images: list) -> tuple[list[int], list[int]]:
     return firsts, index
 
 
-def _same_images(a, b) -> bool:
-    a, b = a or [], b or []
-    return len(a) == len(b) and all(x is y or _same_image(x, y) for x, y in zip(a, b))
-
-
-def _same_image(x, y) -> bool:
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
-        return x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
-    if all(hasattr(i, "getpalette") and hasattr(i, "tobytes") for i in (x, y)):  # PIL: metadata too (transparency)
-        return ((x.mode, x.size, x.info, x.getpalette("RGBA") if x.palette else None)
-                == (y.mode, y.size, y.info, y.getpalette("RGBA") if y.palette else None) and x.tobytes() == y.tobytes())
-    return False
+def image_content(image) -> tuple:
+    """What the processor reads of an image: its pixels, and for PIL its mode, size, metadata and palette (a
+    transparent index changes the pixels it converts to); an unknown type by identity, never equal to another."""
+    if isinstance(image, torch.Tensor):
+        image = image.detach().cpu().numpy()
+    if isinstance(image, np.ndarray):
+        return "array", image.shape, image.dtype.str, image.tobytes()
+    if hasattr(image, "getpalette") and hasattr(image, "tobytes"):
+        return ("pil", image.mode, image.size, image.info, image.getpalette("RGBA") if image.palette else None,
+                image.tobytes())
+    return "object", id(image)
 
 
 ROW_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "batch_num_images")
