@@ -4,11 +4,11 @@
     python benchmarks/memory_gather.py --from-log RUN/frontier.log --meta commit=abc,cap_gib=24,... --out RUN/x.json
 
 Rows come from the files' fixed rows (later files win for the same model, P, S, policy, offload mode and extra
-recompute); the
-frontier searches from every file's `frontier` list. Each row gets the frontier of the proportional search at its
-own P/S, policy, offload mode and extra recompute, where one was run: the longest trainable P + S of PrefixFlow from the latest file
-that searched it, of the baseline the longest any file found (the ratio never flatters PrefixFlow). Every row and
-search keeps the file it came from in `source`.
+recompute); the frontier searches from every file's `frontier` list. Each row gets the frontier of the proportional
+search at its own P/S, policy, offload mode and extra recompute, where one was run: the longest trainable P + S of
+PrefixFlow from the latest file that searched it, of the baseline the longest any file found (the ratio never
+flatters PrefixFlow). Every row and search keeps the file it came from in `source`. `--readme` also prints the
+README's memory table.
 
 `--from-log` rebuilds the frontier searches of a `memory.py` run whose report was never written (its command's time
 limit stopped it mid-search) from the trials its log printed; `--meta` supplies what the log does not say (commit,

@@ -153,7 +153,8 @@ def test_layouts_it_cannot_read_process_every_row():
     unknown name, a 0-d output: nothing is repeated."""
     tiles = BatchFeature({"input_ids": [[1], [2], [3]], "pixel_values": np.zeros((3, 3, 2, 2))})
     assert processing.repeat_rows(tiles, [0, 0, 1, 2], [1, 0, 0]) is None
-    assert processing.repeat_rows(BatchFeature({"input_ids": [[1], [2]], "num_crops": [0, 0]}), [0, 1, 1], [1, 1]) is None
+    unknown = BatchFeature({"input_ids": [[1], [2]], "num_crops": [0, 0]})
+    assert processing.repeat_rows(unknown, [0, 1, 1], [1, 1]) is None
     assert processing.repeat_rows(BatchFeature({"input_ids": torch.tensor(1)}), [0, 0], [1]) is None
     one_each = BatchFeature({"input_ids": [[1], [2]], "image_sizes": [[28, 28], [28, 28]]})
     assert processing.repeat_rows(one_each, [0, 0, 1], [1, 1])["image_sizes"] == [[28, 28]] * 3

@@ -1,8 +1,8 @@
 """The processor once per distinct row: a GRPO batch repeats each prompt, images included, `num_generations` times,
 and TRL runs the processor on every row, twice a step (the prompts' tokens for generation, then the forward's
 tensors). `RowsOnce.applied(trainer)` lets it process each distinct row (same text, images equal pixel for pixel)
-once and repeats its outputs; the first call of each kind is also processed whole and compared, and a difference turns the
-sharing off for the run, logged.
+once and repeats its outputs; the first call of each kind is also processed whole and compared, and a difference
+turns the sharing off for the run, logged.
 
 Each output's layout is known by its name: per row (token ids, masks, token types; Idefics3's `pixel_values` stacked
 per row, 5-D, and its `pixel_attention_mask`), per image (`image_grid_thw`, `image_sizes`, one pixel tensor per image)
@@ -101,7 +101,8 @@ def _call_once_per_row(self, *args, **kwargs):
 
 def _rows(images, text) -> bool:
     return (isinstance(text, (list, tuple)) and isinstance(images, (list, tuple)) and len(text) == len(images) > 1
-            and all(isinstance(t, str) for t in text) and all(i is None or isinstance(i, (list, tuple)) for i in images))
+            and all(isinstance(t, str) for t in text)
+            and all(i is None or isinstance(i, (list, tuple)) for i in images))
 
 
 def distinct_rows(text: list[str], images: list) -> tuple[list[int], list[int]]:
