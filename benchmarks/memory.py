@@ -58,6 +58,7 @@ import hf_prefixflow
 from hf_prefixflow import planner
 from hf_prefixflow.model import config_of, unwrap
 from hf_prefixflow.recompute import RECOMPUTE_SHARE
+from hf_prefixflow.scheduler import host_pool
 from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30
@@ -91,7 +92,8 @@ class Bench:
         self.name = ""
         self.trial_total = 0  # --tiny: the length the next step runs at, for the simulated out-of-memory
         self.phase_ms: dict[str, float] = {}  # the last step's milliseconds per phase (CUDA only)
-        self.host_bytes_per_token = 0.0  # offload: pinned bytes per cached prompt token, measured by the steps
+        self.host_bytes_per_token = 0.0  # offload: pool bytes per cached prompt token, measured by the steps
+        self.host_peak_bytes = 0  # the most any offload pool held
         self.report: dict = {}  # what `write` puts on file, and where
         self.out = pathlib.Path(args.out)
 
@@ -281,26 +283,25 @@ def run_step(bench: Bench, side: str, prompt, suffixes, rows: int) -> tuple[floa
 
 
 def host_pool_bytes(bench: Bench) -> int:
-    """Host bytes behind the model's offload pool; pinned buffers come from torch's host allocator, which rounds
-    every request up to a power of two."""
-    pool = getattr(unwrap(bench.model), "_prefixflow_pool", None)
+    """Host bytes behind the model's offload pool (also recorded in the run's host peak)."""
+    pool = host_pool(bench.model)
     if pool is None:
         return 0
-    sizes = [buffer.numel() for buffer in pool.free]
-    return sum(1 << (size - 1).bit_length() for size in sizes) if pool.pin else sum(sizes)
+    bench.host_peak_bytes = max(bench.host_peak_bytes, pool.peak_bytes)
+    return pool.allocated_bytes
 
 
 def fresh_host_pool(bench: Bench) -> None:
-    """Drop the model's offload pool (its buffers go back to torch's host allocator, which caches them)."""
-    inner = unwrap(bench.model)
-    if hasattr(inner, "_prefixflow_pool"):
-        del inner._prefixflow_pool
+    """Free the model's offload pool: its buffers go back to the host."""
+    if host_pool(bench.model) is not None:
+        host_pool_bytes(bench)
+        host_pool(bench.model).close()
     if bench.device.type == "cuda":
         gc.collect()  # buffers a reference cycle still holds
 
 
 def pinned_bytes() -> int:
-    """Pinned host bytes torch's host allocator owns, cached blocks included."""
+    """Pinned host bytes torch's host allocator owns, cached blocks included (the pool's fallback)."""
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
@@ -505,9 +506,9 @@ def trial(bench: Bench, side: str, policy: str, offload: str, prefix: int, suffi
         return False, "too short"
     share = bench.configure(policy, offload if side == "prefixflow" else "off")
     if side == "prefixflow" and offload != "off":
-        # the pinned pool: as measured per token by earlier steps, else the planner's, rounded up to powers of two
-        need = (bench.host_bytes_per_token * 1.1 * prefix if bench.host_bytes_per_token
-                else 2 * bench.estimate(policy, offload, share, prefix, suffix, 2).host_bytes)
+        # the pool: as measured per token by earlier steps, else the planner's
+        need = 1.1 * (bench.host_bytes_per_token * prefix if bench.host_bytes_per_token
+                      else bench.estimate(policy, offload, share, prefix, suffix, 2).host_bytes)
         if need > args.host_budget_gib * GIB:
             return False, f"host budget (pinned pool predicted > {args.host_budget_gib} GiB)"
         make_room_on_host(bench, need)
@@ -796,7 +797,9 @@ def main() -> None:
             if bench.device.type == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
     if bench.device.type == "cuda":
-        report["config"]["pinned_peak_gib"] = round(torch.cuda.host_memory_stats()["allocated_bytes.peak"] / GIB, 2)
+        report["config"]["host_pool_peak_gib"] = round(bench.host_peak_bytes / GIB, 2)
+        report["config"]["torch_pinned_peak_gib"] = round(
+            torch.cuda.host_memory_stats()["allocated_bytes.peak"] / GIB, 2)
     write(report, out)
     bench.log(f"done: {json.dumps(report['verdicts'])}")
 

@@ -56,6 +56,17 @@ def outside_dispatch_modes(method: Callable) -> Callable:
     return wrapped
 
 
+def register_host_memory(buffer: torch.Tensor) -> int:
+    """Page-lock a contiguous CPU tensor's memory in place for asynchronous copies (`cudaHostRegister`); returns
+    CUDA's error code, 0 on success. torch's own pinned allocations round every request up to a power of two."""
+    return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+
+
+def unregister_host_memory(buffer: torch.Tensor) -> int:
+    """Undo `register_host_memory` (no copy may still read or write it); returns CUDA's error code."""
+    return int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether `module.compile()` compiled the module's call in place."""
     return getattr(module, "_compiled_call_impl", None) is not None

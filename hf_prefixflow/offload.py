@@ -22,13 +22,19 @@ by every wave, not once, through the same pool and copy stream (`kv_cache.Stream
 from __future__ import annotations
 
 import bisect
+import logging
+import mmap
+import sys
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from . import _compat
 from ._compat import outside_dispatch_modes
 from .errors import PrefixFlowError
+
+logger = logging.getLogger(__name__)
 
 MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the memory it frees
 # Prefetch the saves of this many decoder layers ahead (at most PREFETCH_BYTES): enough to hide a copy behind a
@@ -36,27 +42,41 @@ MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the mem
 # copied among recomputed ones is still prefetched whole.
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
+PAGE_BYTES = mmap.PAGESIZE
+
+
 class HostPool:
-    """Host buffers reused across groups (pinned when the device is an accelerator), and the copy stream per device.
+    """Host buffers reused across groups (page-locked when the device is an accelerator), and the copy stream per
+    device.
 
     A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
-    (the session's groups all closed), `trim` frees those no tensor took since the last trim (pinned ones go back to
-    torch's pinned-memory cache, which other pinned allocations reuse). So prompts of changing lengths neither
-    reallocate the pool every group nor grow it without bound. One side stream per device for every group: the
-    caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's blocks in
-    another stream's cache.
+    (the session's groups all closed), `trim` frees those no tensor took since the last trim. So prompts of changing
+    lengths neither reallocate the pool every group nor grow it without bound. One side stream per device for every
+    group: the caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's
+    blocks in another stream's cache.
+
+    A page-locked buffer is plain host memory of the size asked (in whole pages), registered with CUDA in place
+    (`cudaHostRegister`) and unregistered when freed, so the host gets it back. torch's pinned allocator would round
+    each buffer up to a power of two and keep it cached: a long prompt's pool would take up to twice its bytes. Where
+    registration fails the pool falls back to torch's pinned allocator, logged and counted in `pin_fallbacks`.
 
     Args:
-        pin: allocate pinned host buffers (for CUDA devices).
+        pin: page-lock the buffers (for CUDA devices).
 
     Attributes:
-        allocated_bytes: bytes of every buffer the pool owns, taken or free.
+        allocated_bytes: host bytes of every buffer the pool owns, taken or free.
+        peak_bytes: the most `allocated_bytes` has been.
+        pin_fallbacks: buffers taken from torch's pinned allocator because registration failed.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self.free: list[torch.Tensor] = []  # by size
-        self.allocated_bytes = 0  # every buffer the pool owns, taken or free
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.pin_fallbacks = 0
+        self._cost: dict[int, int] = {}  # host bytes behind each buffer, by id
+        self._registered: dict[int, torch.Tensor] = {}  # buffers registered with CUDA, by id
         self._taken: set[int] = set()  # ids of the buffers taken since the last trim
         self._out = 0  # buffers taken and not yet given back
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -68,37 +88,96 @@ class HostPool:
             nbytes: bytes needed.
 
         Returns:
-            A 1-D uint8 CPU tensor of `nbytes` to `2 * nbytes` bytes (pinned if the pool pins): a free one, else new.
+            A 1-D uint8 CPU tensor of `nbytes` to `2 * nbytes` bytes (page-locked if the pool pins): a free one, else
+            new.
         """
         index = bisect.bisect_left(self.free, nbytes, key=torch.Tensor.numel)
         if index < len(self.free) and self.free[index].numel() <= 2 * nbytes:
             buffer = self.free.pop(index)
         else:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self.allocated_bytes += nbytes
+            buffer = self._allocate(nbytes)
         self._taken.add(id(buffer))
         self._out += 1
         return buffer
 
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buffer, cost = (self._registered_buffer(nbytes) if self.pin and not self.pin_fallbacks else None), nbytes
+        if buffer is not None:
+            cost = buffer.numel() + PAGE_BYTES
+        elif self.pin:
+            self.pin_fallbacks += 1
+            buffer, cost = _pinned_by_torch(nbytes), 1 << (nbytes - 1).bit_length()
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._cost[id(buffer)] = cost
+        self.allocated_bytes += cost
+        self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        return buffer
+
+    def _registered_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` rounded up to whole pages of plain host memory, page-aligned (two registrations never share a
+        page) and registered with CUDA; None, logged, if registration fails."""
+        span = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+        allocation = torch.empty(span + PAGE_BYTES, dtype=torch.uint8)
+        start = -allocation.data_ptr() % PAGE_BYTES
+        buffer = allocation[start:start + span]  # the view keeps the allocation
+        error = _compat.register_host_memory(buffer)
+        if error:
+            logger.warning("PrefixFlow: cudaHostRegister failed (CUDA error %d); the offload pool takes torch's pinned "
+                           "buffers, rounded up to powers of two, from here on (counted in pin_fallbacks).", error)
+            return None
+        self._registered[id(buffer)] = buffer
+        return buffer
+
     def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer `take` handed out."""
-        bisect.insort(self.free, buffer, key=torch.Tensor.numel)
-        self._out -= 1
+        """Return a buffer `take` handed out (one taken before `close` is forgotten)."""
+        if id(buffer) in self._cost:
+            bisect.insort(self.free, buffer, key=torch.Tensor.numel)
+            self._out -= 1
 
     def trim(self) -> None:
         """Free the buffers no tensor took since the last trim, once all are back: groups closed one by one in a
-        session must not free each other's."""
+        session must not free each other's. No copy may still use them (`PrefixOffload.release` synchronizes)."""
         if self._out:
             return
-        kept = [b for b in self.free if id(b) in self._taken]
-        self.allocated_bytes -= sum(b.numel() for b in self.free) - sum(b.numel() for b in kept)
+        kept = []
+        for buffer in self.free:
+            (kept.append if id(buffer) in self._taken else self._drop)(buffer)
         self.free, self._taken = kept, set()
+
+    def close(self) -> None:
+        """Free every buffer, once every copy queued on the pool's streams is done. Buffers still taken are
+        unregistered and forgotten too: whoever holds them reads plain memory."""
+        for stream in self._streams.values():
+            stream.synchronize()
+        for buffer in self.free:
+            self._drop(buffer)
+        for buffer in list(self._registered.values()):  # taken ones
+            self._drop(buffer)
+        self.free, self._taken, self._out, self._cost = [], set(), 0, {}
+        self.allocated_bytes = 0
+
+    def __del__(self):
+        if not sys.is_finalizing() and self._registered:
+            self.close()
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        if self._registered.pop(id(buffer), None) is not None:
+            error = _compat.unregister_host_memory(buffer)
+            if error:
+                logger.warning("PrefixFlow: cudaHostUnregister failed (CUDA error %d).", error)
+        self.allocated_bytes -= self._cost.pop(id(buffer), 0)
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The pool's copy stream for a CUDA `device`, created on first use and shared by every group."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
+
+
+def _pinned_by_torch(nbytes: int) -> torch.Tensor:
+    """A buffer from torch's pinned allocator (which rounds the request up to a power of two and caches it)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 @dataclass(eq=False)

@@ -137,8 +137,8 @@ class MemoryPlan:
         wave_size, offload, offload_kv, suffix_checkpointing, prefix_recompute: the knobs (`config()` builds them);
             `prefix_recompute` None means the library's default for `offload`.
         extra_recompute: recompute beyond the checkpointing policy ("none" or the prefix layers' share).
-        host_bytes: pinned host memory the offloaded prompt activations take (torch rounds each buffer up to a
-            power of two: reserve up to twice this).
+        host_bytes: page-locked host memory the offloaded prompt activations take (the pool's buffers are the size
+            asked, in whole pages).
         checkpointing: the policy both sides use.
         breakdown: Phase B's terms in bytes (static, prefix, kv_grad, wave, peak_transient).
     """
@@ -368,8 +368,7 @@ def prefix_resident(tokens: TokenBytes, checkpointing: str, offload: bool, share
 
 def host_bytes(tokens: TokenBytes, checkpointing: str, share: float, prompt_tokens: int,
                offload_kv: bool = False) -> float:
-    """Host bytes the offloaded prompt activations (and with `offload_kv` the K/V and gK/gV) take (before torch's
-    power-of-two rounding)."""
+    """Host bytes the offloaded prompt activations (and with `offload_kv` the K/V and gK/gV) take."""
     cached = prompt_tokens - 1
     streamed = cached * tokens.layers * (tokens.kv + tokens.kv_grad) if offload_kv else 0.0
     if checkpointing != "none":

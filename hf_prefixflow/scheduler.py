@@ -34,6 +34,11 @@ from .recompute import AttentionReplay, recomputed_layers
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
 
+def host_pool(model: torch.nn.Module) -> HostPool | None:
+    """The host pool the model's offloading groups share (created by the first one), if any."""
+    return getattr(unwrap(model), "_prefixflow_pool", None)
+
+
 @dataclass
 class PackedOutput:
     """The output of a packed wave (`PrefixGroup.packed`).
@@ -252,7 +257,7 @@ class PrefixGroup:
         if not (self.trains and config_of(self._inner).offload):
             return None
         device = self.prefix_ids.device
-        pool = getattr(self._inner, "_prefixflow_pool", None)
+        pool = host_pool(self._inner)
         if pool is None:
             pool = self._inner._prefixflow_pool = HostPool(pin=device.type == "cuda")
         offload = PrefixOffload(device, pool)

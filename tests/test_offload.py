@@ -445,3 +445,49 @@ def test_conjugate_views_are_not_shared_copies():
     first, second = offload.pack(x), offload.pack(x.conj())
     assert first is not second
     assert torch.equal(offload.unpack(second), x.conj()) and torch.equal(offload.unpack(first), x)
+
+
+def test_page_locked_buffers_are_the_size_asked_and_go_back_to_the_host(monkeypatch):
+    """Pinned buffers are plain host memory registered in place (torch's pinned allocator rounds every request up to
+    a power of two and keeps it cached): page-aligned, whole pages, unregistered when trimmed or closed."""
+    page = hf_prefixflow.offload.PAGE_BYTES
+    registered = {}
+
+    def register(buffer):
+        registered[buffer.data_ptr()] = buffer.numel()
+        return 0
+
+    monkeypatch.setattr(hf_prefixflow._compat, "register_host_memory", register)
+    monkeypatch.setattr(hf_prefixflow._compat, "unregister_host_memory", lambda buffer: registered.pop(
+        buffer.data_ptr()) and 0)
+    pool = hf_prefixflow.offload.HostPool(pin=True)
+    first, second = pool.take(5 * page - 7), pool.take(3 * page)
+    assert [first.numel(), second.numel()] == [5 * page, 3 * page]  # not 8 and 4 pages
+    assert {first.data_ptr() % page, second.data_ptr() % page} == {0}  # no page shared by two registrations
+    assert registered == {first.data_ptr(): 5 * page, second.data_ptr(): 3 * page}
+    assert pool.allocated_bytes == pool.peak_bytes == 10 * page  # a page of alignment slack each
+    pool.give(first)
+    pool.give(second)
+    pool.trim()
+    assert pool.take(3 * page) is second and len(registered) == 2
+    pool.give(second)
+    pool.trim()  # `first` went untaken: unregistered and freed
+    assert registered == {second.data_ptr(): 3 * page} and pool.allocated_bytes == 4 * page
+    taken = pool.take(page)
+    pool.close()  # a buffer still taken is unregistered too, and forgotten when given back
+    assert registered == {} and pool.allocated_bytes == 0 and pool.peak_bytes == 10 * page
+    pool.give(taken)
+    assert pool.free == [] and pool.pin_fallbacks == 0
+
+
+def test_a_failed_registration_falls_back_to_torch_s_pinned_buffers(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(hf_prefixflow._compat, "register_host_memory", lambda buffer: calls.append(buffer) or 2)
+    monkeypatch.setattr(hf_prefixflow.offload, "_pinned_by_torch",
+                        lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    pool = hf_prefixflow.offload.HostPool(pin=True)
+    with caplog.at_level("WARNING", logger="hf_prefixflow.offload"):
+        first, second = pool.take(3000), pool.take(5000)
+    assert "cudaHostRegister failed (CUDA error 2)" in caplog.text
+    assert len(calls) == 1 and pool.pin_fallbacks == 2  # tried once, then torch's allocator for every buffer
+    assert [first.numel(), second.numel()] == [3000, 5000] and pool.allocated_bytes == 4096 + 8192  # its rounding

@@ -229,8 +229,11 @@ def test_packed_layout_and_trajectory_over_steps(tmp_path, geometry):
 
 
 def test_prefix_activation_offload_in_the_trainer(tmp_path):
-    assert_aligned(*both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                         config_cls=PrefixFlowGRPOConfig, prefixflow_offload=True))
+    stock, pf = both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                     config_cls=PrefixFlowGRPOConfig, prefixflow_offload=True)
+    assert_aligned(stock, pf)
+    logged = [log for log in pf[2] if "loss" in log]
+    assert all(log["prefixflow/host_pool_gib"] > 0 and log["prefixflow/pin_fallbacks"] == 0 for log in logged)
 
 
 def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
 from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, run_need, token_bytes
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
-from hf_prefixflow.scheduler import GroupSession
+from hf_prefixflow.scheduler import GroupSession, host_pool
 from hf_prefixflow.waves import AutoWaves
 
 from . import multimodal, processing, routing, sequence_parallel
@@ -759,11 +759,20 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             elif self._run_step is None and not self._deepspeed and self._sp is None:
                 self._close_groups_not_in(self._position_at(self._step))  # under ZeRO and SP, groups stay open
             self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+            self._log_host_pool(model)
         self._run_step = None
         self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
         if self.accelerator.sync_gradients:
             data_parallel.all_reduce_gradients(model)
         return loss
+
+    def _log_host_pool(self, model) -> None:
+        """Offload's host memory (prefixflow/host_pool_gib) and the buffers it took from torch's pinned allocator
+        because page-locking in place failed (prefixflow/pin_fallbacks)."""
+        pool = host_pool(model)
+        if pool is not None:
+            self._metrics["train"]["prefixflow/host_pool_gib"].append(pool.allocated_bytes / 2**30)
+            self._metrics["train"]["prefixflow/pin_fallbacks"].append(float(pool.pin_fallbacks))
 
     def _open_split_groups(self, model, inputs: dict) -> None:
         """Ranks agree on the groups of this microbatch that several of them hold (an all-gather of its prompt keys)
