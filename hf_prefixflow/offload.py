@@ -43,6 +43,9 @@ MIN_BYTES_ON_ACCELERATOR = 1 << 20  # below this, a copy costs more than the mem
 PREFETCH_LAYERS = 2
 PREFETCH_BYTES = 2 << 30
 PAGE_BYTES = mmap.PAGESIZE
+# A free buffer no group took in this many trims in a row goes back to the host: registering it again costs more
+# than a step's copies, and two configurations taking turns (a benchmark's sides) each keep theirs.
+IDLE_TRIMS = 2
 
 
 class HostPool:
@@ -50,8 +53,9 @@ class HostPool:
     device.
 
     A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
-    (the session's groups all closed), `trim` frees those no tensor took since the last trim. So prompts of changing
-    lengths neither reallocate the pool every group nor grow it without bound. One side stream per device for every
+    (the session's groups all closed), `trim` frees those no tensor took in the last `IDLE_TRIMS` trims. So prompts
+    of changing lengths (or two configurations taking turns) neither reallocate the pool every group nor grow it
+    without bound. One side stream per device for every
     group: the caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's
     blocks in another stream's cache.
 
@@ -78,6 +82,7 @@ class HostPool:
         self._cost: dict[int, int] = {}  # host bytes behind each buffer, by id
         self._registered: dict[int, torch.Tensor] = {}  # buffers registered with CUDA, by id
         self._taken: set[int] = set()  # ids of the buffers taken since the last trim
+        self._idle: dict[int, int] = {}  # trims in a row each free buffer went untaken, by id
         self._out = 0  # buffers taken and not yet given back
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -136,13 +141,15 @@ class HostPool:
             self._out -= 1
 
     def trim(self) -> None:
-        """Free the buffers no tensor took since the last trim, once all are back: groups closed one by one in a
-        session must not free each other's. No copy may still use them (`PrefixOffload.release` synchronizes)."""
+        """Free the buffers no tensor took in the last `IDLE_TRIMS` trims, once all are back: groups closed one by
+        one in a session must not free each other's. No copy may still use them (`PrefixOffload.release`
+        synchronizes)."""
         if self._out:
             return
         kept = []
         for buffer in self.free:
-            (kept.append if id(buffer) in self._taken else self._drop)(buffer)
+            idle = self._idle[id(buffer)] = 0 if id(buffer) in self._taken else self._idle.get(id(buffer), 0) + 1
+            (kept.append if idle < IDLE_TRIMS else self._drop)(buffer)
         self.free, self._taken = kept, set()
 
     def close(self) -> None:
@@ -154,7 +161,7 @@ class HostPool:
             self._drop(buffer)
         for buffer in list(self._registered.values()):  # taken ones
             self._drop(buffer)
-        self.free, self._taken, self._out, self._cost = [], set(), 0, {}
+        self.free, self._taken, self._out, self._cost, self._idle = [], set(), 0, {}, {}
         self.allocated_bytes = 0
 
     def __del__(self):
@@ -167,6 +174,7 @@ class HostPool:
             if error:
                 logger.warning("PrefixFlow: cudaHostUnregister failed (CUDA error %d).", error)
         self.allocated_bytes -= self._cost.pop(id(buffer), 0)
+        self._idle.pop(id(buffer), None)
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The pool's copy stream for a CUDA `device`, created on first use and shared by every group."""

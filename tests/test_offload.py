@@ -351,8 +351,8 @@ def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
 
 def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
     """Prompts of changing lengths: a tensor takes the smallest free buffer it fills at least half of; once every
-    buffer is back, those no tensor took since the last trim are freed, so the pool neither grows without bound nor
-    reallocates each group."""
+    buffer is back, those no tensor took in the last two trims are freed, so the pool neither grows without bound nor
+    reallocates each group (or each turn of two configurations)."""
     pool = hf_prefixflow.offload.HostPool(pin=False)
     small, large = pool.take(100), pool.take(300)
     pool.give(large)
@@ -372,7 +372,10 @@ def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
     taken = pool.take(60)
     assert taken is extra  # the smallest that holds it
     pool.give(taken)
-    pool.trim()  # `small` and `large` went untaken since the last trim
+    pool.trim()  # `small` and `large` went untaken in one trim: kept
+    assert pool.allocated_bytes == 490
+    pool.give(pool.take(70))
+    pool.trim()  # and in a second: freed
     assert [b.numel() for b in pool.free] == [90] and pool.allocated_bytes == 90
 
 
@@ -471,7 +474,9 @@ def test_page_locked_buffers_are_the_size_asked_and_go_back_to_the_host(monkeypa
     pool.trim()
     assert pool.take(3 * page) is second and len(registered) == 2
     pool.give(second)
-    pool.trim()  # `first` went untaken: unregistered and freed
+    pool.trim()
+    pool.give(pool.take(3 * page))
+    pool.trim()  # `first` went untaken in two trims: unregistered and freed
     assert registered == {second.data_ptr(): 3 * page} and pool.allocated_bytes == 4 * page
     taken = pool.take(page)
     pool.close()  # a buffer still taken is unregistered too, and forgotten when given back
