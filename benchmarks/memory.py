@@ -540,7 +540,7 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
         torch.cuda.empty_cache()  # the cap limits what the allocator may hold, cached blocks included
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
     searches = [{"kind": "proportional", "P": p, "S": s}
-                for p, s in (map(int, x.split("/")) for x in args.frontier_proportions.split(","))]
+                for p, s in (map(int, x.split("/")) for x in args.frontier_proportions.split(",") if x)]
     if args.frontier_suffix:
         searches.append({"kind": "prompt", "P": 10 * args.frontier_suffix, "S": args.frontier_suffix})
     offloads = args.offload.split(",")
@@ -751,7 +751,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds at --timed-split")
     parser.add_argument("--repeats-other", type=int, default=1, help="timed rounds at the other splits")
     parser.add_argument("--warmup-rows", type=int, default=2, help="completions of each warm-up step")
-    parser.add_argument("--frontier-proportions", default="10240/2048", help="P/S proportions of the total search")
+    parser.add_argument("--frontier-proportions", default="10240/2048", help="P/S proportions of the total search ('': none)")
     parser.add_argument("--frontier-suffix", type=int, default=2048, help="S of the longest-prompt search (0: no such search)")
     parser.add_argument("--frontier-cap-gib", type=float, default=24.0)
     parser.add_argument("--frontier-resolution", type=int, default=512)
