@@ -751,7 +751,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds at --timed-split")
     parser.add_argument("--repeats-other", type=int, default=1, help="timed rounds at the other splits")
     parser.add_argument("--warmup-rows", type=int, default=2, help="completions of each warm-up step")
-    parser.add_argument("--frontier-proportions", default="10240/2048", help="P/S proportions of the total search ('': none)")
+    parser.add_argument("--frontier-proportions", default="10240/2048",
+                        help="P/S proportions of the total search ('': none)")
     parser.add_argument("--frontier-suffix", type=int, default=2048, help="S of the longest-prompt search (0: no such search)")
     parser.add_argument("--frontier-cap-gib", type=float, default=24.0)
     parser.add_argument("--frontier-resolution", type=int, default=512)
