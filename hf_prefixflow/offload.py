@@ -134,6 +134,11 @@ class HostPool:
         self._registered[id(buffer)] = buffer
         return buffer
 
+    @property
+    def free_bytes(self) -> int:
+        """Host bytes of the buffers not taken."""
+        return sum(self._cost[id(buffer)] for buffer in self.free)
+
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer `take` handed out (one taken before `close` is forgotten)."""
         if id(buffer) in self._cost:

@@ -464,24 +464,42 @@ def run_need(tokens: TokenBytes, prompts: list[int], completion_tokens: int, row
     return held + transient
 
 
+def run_host_need(tokens: TokenBytes, prompts: list[int], checkpointing: str = "full", offload_kv: bool = False,
+                  prefix_recompute: float | None = None) -> float:
+    """Host bytes an offloading run of groups holds in the pool (`host_bytes` of every prompt: the groups' Phase C
+    come after all their waves).
+
+    Args:
+        tokens, prompts, checkpointing, prefix_recompute: as `run_need` takes them.
+        offload_kv: whether the prompts' K/V and gK/gV wait on the host too.
+    """
+    share = PrefixFlowConfig(offload=True, prefix_recompute=prefix_recompute).recompute_share
+    return sum(host_bytes(tokens, checkpointing, share, prompt, offload_kv) for prompt in prompts)
+
+
 def offload_for(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int], budget: float,
                 checkpointing: str = "full", prefix_recompute: float | None = None,
-                allow_kv: bool = True) -> tuple[bool, bool]:
+                allow_kv: bool = True, host_budget: float | None = None) -> tuple[bool, bool]:
     """The cheapest offload mode under which a run of groups, its waves recomputed under checkpointing, fits in
-    `budget` device bytes on top of what is allocated (`run_need`; the trainer's `prefixflow_offload_auto`).
+    `budget` device bytes on top of what is allocated (`run_need`) and its host pool in `host_budget`
+    (`run_host_need`); the trainer's `prefixflow_offload_auto`.
 
     Args:
         tokens, prompts, completion_tokens, rows, checkpointing, prefix_recompute: as `run_need` takes them.
         budget: device bytes the run may add.
         allow_kv: whether `offload_kv` may be picked (not where a parallel rule moves K/V).
+        host_budget: host bytes the pool may hold (None: unbounded). A mode whose pool exceeds it is never picked.
 
     Returns:
-        `(offload, offload_kv)`: the first of no offload, offload, offload_kv that fits; the one needing least when
-        none does.
+        `(offload, offload_kv)`: the first of no offload, offload, offload_kv that fits; the one needing least
+        device memory when none does.
     """
     needs = []
     for offload, kv in OFFLOAD_MODES:
         if kv and not allow_kv:
+            continue
+        if offload and host_budget is not None and run_host_need(
+                tokens, prompts, checkpointing, kv, prefix_recompute) > host_budget:
             continue
         need = run_need(tokens, prompts, completion_tokens, rows, checkpointing, offload, kv, prefix_recompute)
         if need <= budget:

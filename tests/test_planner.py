@@ -238,6 +238,21 @@ def test_the_trainer_s_automatic_offload_picks_the_cheapest_mode_that_fits():
     assert kept > needs[False, False]
 
 
+def test_automatic_offload_keeps_the_host_pool_within_the_host_s_memory():
+    """A mode whose pool (every prompt of the run, K/V and sums too under offload_kv) exceeds the host budget is never
+    picked: the pool would exhaust the host's memory, which no device budget sees."""
+    tokens = planner.token_bytes(h200_config("qwen3-1.7b"), dtype=torch.bfloat16)
+    run = ([40960, 20480], 2048, [8, 8])
+    pools = {kv: sum(planner.host_bytes(tokens, "full", PrefixFlowConfig(offload=True).recompute_share, p, kv)
+                     for p in run[0]) for kv in (False, True)}
+    assert pools[True] > pools[False] > 0
+    for kv in (False, True):
+        assert planner.run_host_need(tokens, run[0], offload_kv=kv) == pytest.approx(pools[kv])
+    assert planner.offload_for(tokens, *run, budget=0, host_budget=pools[True]) == (True, True)
+    assert planner.offload_for(tokens, *run, budget=0, host_budget=pools[True] - 1) == (True, False)
+    assert planner.offload_for(tokens, *run, budget=0, host_budget=pools[False] - 1) == (False, False)
+
+
 def test_suffix_activations_are_kept_where_the_full_sequence_microbatch_needs_more():
     """`keeps_suffix_activations` (the trainer's prefixflow_suffix_checkpointing='auto'). H200, 4,864/256, N=16 in
     one run, both sides checkpointed (2026-12-02_trainer_step): GRPOTrainer's microbatch of 16 rows peaked at 29.8 GiB

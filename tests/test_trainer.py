@@ -250,11 +250,12 @@ def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("budget, mode, recomputed", [(float("inf"), 0.0, 0.0), ("no room to keep", 0.0, 1.0),
-                                                     (0.0, 1.0, 1.0), ("kv", 2.0, 1.0)])
+                                                     (0.0, 1.0, 1.0), ("kv", 2.0, 1.0), ("no host memory", 0.0, 1.0)])
 def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget, mode, recomputed):
     """prefixflow_offload_auto: each run's new groups get the cheapest offload mode the planner fits in the free
     device memory: none when plenty is free; when nothing fits, the one needing least (for this two-layer model
-    offload, which streaming the K/V would not beat); K/V on the host where the planner says so (forced here). The
+    offload, which streaming the K/V would not beat), unless the host has no memory for the pool; K/V on the host
+    where the planner says so (forced here). The
     'auto' suffix policy keeps the waves' activations only where no offload was needed and keeping them fits the
     same free memory (the room to keep them taken away here). The stock trainer's gradients, weights and metrics in
     every case."""
@@ -267,7 +268,9 @@ def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget
         need = pf_grpo.run_need
         monkeypatch.setattr(pf_grpo, "run_need", lambda *args, **kwargs: float("inf")
                             if kwargs.get("suffix_checkpointing") is False else need(*args, **kwargs))
-    free = 0.0 if budget == "kv" else 1e30 if budget == "no room to keep" else budget
+    if budget == "no host memory":
+        monkeypatch.setattr(pf_grpo, "free_host_bytes", lambda model: 0.0)
+    free = 0.0 if budget in ("kv", "no host memory") else 1e30 if budget == "no room to keep" else budget
     monkeypatch.setattr(pf_grpo, "free_device_bytes", lambda model: budgets.append(free) or free)
     stock, pf = both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
                      gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True)

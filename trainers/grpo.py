@@ -70,8 +70,8 @@ class PrefixFlowGRPOConfig(GRPOConfig):
                                          "prompts, for host-device traffic; one process or DDP without split groups"})
     prefixflow_offload_auto: bool = field(
         default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
-                                         "whose estimated peak fits in the free CUDA memory "
-                                         "(hf_prefixflow.planner.offload_for); logged as prefixflow/offload (0 none, "
+                                         "whose estimated peak fits in the free CUDA memory and whose host pool in "
+                                         "the available host memory (hf_prefixflow.planner.offload_for); logged as prefixflow/offload (0 none, "
                                          "1 activations, 2 K/V too); leave the two settings off"})
     prefixflow_prefix_recompute: float | None = field(
         default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
@@ -127,6 +127,18 @@ def free_device_bytes(model: torch.nn.Module) -> float:
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     pending = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
     return AUTO_OFFLOAD_MARGIN * (free + cached - pending)
+
+
+def free_host_bytes(model: torch.nn.Module) -> float | None:
+    """Host bytes the offload pool may hold: the memory the OS reports available and the pool's free buffers, times
+    `AUTO_OFFLOAD_MARGIN`; None where the OS does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    pool = host_pool(model)
+    return AUTO_OFFLOAD_MARGIN * (available + (pool.free_bytes if pool is not None else 0))
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
@@ -679,13 +691,15 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _choose_offload(self, model, opening: list[BatchGroup], completion_width: int) -> None:
         """prefixflow_offload_auto: the offload mode the groups this run opens get (`planner.offload_for`), from
-        the device memory free now less the gradients not yet allocated; groups already open keep theirs."""
+        the device memory free now less the gradients not yet allocated, and the host memory available to the pool;
+        groups already open keep theirs."""
         if not opening:
             return
         offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
                                   completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
                                   self._checkpointing_policy(), self.prefixflow_prefix_recompute,
-                                  allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
+                                  allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split),
+                                  host_budget=free_host_bytes(model))
         apply_prefixflow(model, offload=offload, offload_kv=kv)
         self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
 
