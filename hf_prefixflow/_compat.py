@@ -59,12 +59,28 @@ def outside_dispatch_modes(method: Callable) -> Callable:
 def register_host_memory(buffer: torch.Tensor) -> int:
     """Page-lock a contiguous CPU tensor's memory in place for asynchronous copies (`cudaHostRegister`); returns
     CUDA's error code, 0 on success. torch's own pinned allocations round every request up to a power of two."""
-    return int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+    if error:
+        consume_cuda_error()
+    return error
 
 
 def unregister_host_memory(buffer: torch.Tensor) -> int:
     """Undo `register_host_memory` (no copy may still read or write it); returns CUDA's error code."""
-    return int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+    error = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+    if error:
+        consume_cuda_error()
+    return error
+
+
+def consume_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error pending on the thread, and torch raises a pending error at its next
+    kernel launch, whichever kernel that is. `torch.cuda.cudart()` has no `cudaGetLastError`: a one-element fill's
+    launch check takes the error here instead (a sticky error would still surface at the next operation)."""
+    try:
+        torch.empty(1, device="cuda").fill_(1)
+    except RuntimeError:
+        pass
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

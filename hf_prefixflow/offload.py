@@ -24,7 +24,6 @@ from __future__ import annotations
 import bisect
 import logging
 import mmap
-import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -85,6 +84,8 @@ class HostPool:
         self._idle: dict[int, int] = {}  # trims in a row each free buffer went untaken, by id
         self._out = 0  # buffers taken and not yet given back
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # at collection or, at the latest, at exit (while CUDA is up): the host gets the registered memory back
+        weakref.finalize(self, _unregister_all, self._registered, self._streams)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """Take a buffer until `give` returns it.
@@ -106,10 +107,11 @@ class HostPool:
         return buffer
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buffer, cost = (self._registered_buffer(nbytes) if self.pin and not self.pin_fallbacks else None), nbytes
+        registering = self.pin and not self.pin_fallbacks and nbytes > 0  # CUDA refuses to register no bytes
+        buffer, cost = (self._registered_buffer(nbytes) if registering else None), nbytes
         if buffer is not None:
             cost = buffer.numel() + PAGE_BYTES
-        elif self.pin:
+        elif self.pin and nbytes > 0:
             self.pin_fallbacks += 1
             buffer, cost = _pinned_by_torch(nbytes), 1 << (nbytes - 1).bit_length()
         else:
@@ -169,10 +171,6 @@ class HostPool:
         self.free, self._taken, self._out, self._cost, self._idle = [], set(), 0, {}, {}
         self.allocated_bytes = 0
 
-    def __del__(self):
-        if not sys.is_finalizing() and self._registered:
-            self.close()
-
     def _drop(self, buffer: torch.Tensor) -> None:
         if self._registered.pop(id(buffer), None) is not None:
             error = _compat.unregister_host_memory(buffer)
@@ -186,6 +184,41 @@ class HostPool:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
+
+
+MEMINFO = "/proc/meminfo"
+# cgroup v2, then v1: a container's memory limit and use, which MemAvailable does not see
+CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_host_bytes() -> int | None:
+    """Host memory a process can still take: Linux's `MemAvailable`, capped by its cgroup's limit less its use;
+    None where `/proc/meminfo` does not say (not Linux)."""
+    try:
+        with open(MEMINFO) as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    for limit_file, usage_file in CGROUP_MEMORY:
+        try:
+            with open(limit_file) as limit, open(usage_file) as usage:
+                limit_text, used = limit.read().strip(), int(usage.read())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit():  # "max": no limit
+            available = min(available, int(limit_text) - used)
+        break
+    return max(available, 0)
+
+
+def _unregister_all(registered: dict[int, torch.Tensor], streams: dict) -> None:
+    """A collected pool's registered buffers, once its copies are done (`HostPool.close` without the pool)."""
+    for stream in streams.values():
+        stream.synchronize()
+    for buffer in registered.values():
+        _compat.unregister_host_memory(buffer)
+    registered.clear()
 
 
 def _pinned_by_torch(nbytes: int) -> torch.Tensor:

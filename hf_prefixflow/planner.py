@@ -137,8 +137,8 @@ class MemoryPlan:
         wave_size, offload, offload_kv, suffix_checkpointing, prefix_recompute: the knobs (`config()` builds them);
             `prefix_recompute` None means the library's default for `offload`.
         extra_recompute: recompute beyond the checkpointing policy ("none" or the prefix layers' share).
-        host_bytes: page-locked host memory the offloaded prompt activations take (the pool's buffers are the size
-            asked, in whole pages).
+        host_bytes: page-locked host memory the offloaded prompt activations take (a new buffer is the size asked,
+            in whole pages; one reused from an earlier group may be up to twice it).
         checkpointing: the policy both sides use.
         breakdown: Phase B's terms in bytes (static, prefix, kv_grad, wave, peak_transient).
     """

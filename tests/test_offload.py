@@ -496,3 +496,44 @@ def test_a_failed_registration_falls_back_to_torch_s_pinned_buffers(monkeypatch,
     assert "cudaHostRegister failed (CUDA error 2)" in caplog.text
     assert len(calls) == 1 and pool.pin_fallbacks == 2  # tried once, then torch's allocator for every buffer
     assert [first.numel(), second.numel()] == [3000, 5000] and pool.allocated_bytes == 4096 + 8192  # its rounding
+
+
+@pytest.mark.parametrize("cgroup_limit, expected", [(None, 1000 * 1024), ("max", 1000 * 1024),
+                                                   (str(600 * 1024), 500 * 1024)])
+def test_available_host_memory_reads_the_container_s_limit(tmp_path, monkeypatch, cgroup_limit, expected):
+    """MemAvailable is the node's; a container's cgroup caps what the process may take (limit less use)."""
+    (tmp_path / "meminfo").write_text("MemTotal: 4000 kB\nMemFree: 900 kB\nMemAvailable: 1000 kB\n")
+    monkeypatch.setattr(hf_prefixflow.offload, "MEMINFO", str(tmp_path / "meminfo"))
+    files = (str(tmp_path / "memory.max"), str(tmp_path / "memory.current"))
+    monkeypatch.setattr(hf_prefixflow.offload, "CGROUP_MEMORY", (files,))
+    if cgroup_limit is not None:
+        (tmp_path / "memory.max").write_text(cgroup_limit + "\n")
+        (tmp_path / "memory.current").write_text(str(100 * 1024) + "\n")
+    assert hf_prefixflow.offload.available_host_bytes() == expected
+    monkeypatch.setattr(hf_prefixflow.offload, "MEMINFO", str(tmp_path / "absent"))
+    assert hf_prefixflow.offload.available_host_bytes() is None
+
+
+def test_a_failed_registration_leaves_no_cuda_error_pending(monkeypatch):
+    """torch raises a CUDA error a failed call left pending at its next kernel launch, whichever: the failed
+    registration consumes it at once."""
+    consumed = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("Runtime", (), {
+        "cudaHostRegister": staticmethod(lambda ptr, size, flags: 801),
+        "cudaHostUnregister": staticmethod(lambda ptr: 0)}))
+    monkeypatch.setattr(_compat, "consume_cuda_error", lambda: consumed.append(1))
+    assert _compat.register_host_memory(torch.empty(4096, dtype=torch.uint8)) == 801 and consumed == [1]
+    assert _compat.unregister_host_memory(torch.empty(4096, dtype=torch.uint8)) == 0 and consumed == [1]
+
+
+def test_an_empty_request_is_not_registered_and_a_collected_pool_unregisters(monkeypatch):
+    registered = set()
+    monkeypatch.setattr(_compat, "register_host_memory", lambda buffer: registered.add(buffer.data_ptr()) or 0)
+    monkeypatch.setattr(_compat, "unregister_host_memory", lambda buffer: registered.discard(buffer.data_ptr()) or 0)
+    pool = hf_prefixflow.offload.HostPool(pin=True)
+    assert pool.take(0).numel() == 0 and not registered and pool.pin_fallbacks == 0  # CUDA refuses zero bytes
+    pool.take(5000)
+    assert len(registered) == 1
+    del pool
+    gc.collect()
+    assert not registered

@@ -249,6 +249,20 @@ def test_streamed_prompt_kv_in_the_trainer(tmp_path, monkeypatch):
     assert parked
 
 
+def test_the_host_budget_is_shared_by_the_node_s_processes(monkeypatch):
+    """Every process of a node reads the same available memory: each pool plans within its share of it, plus its
+    own free buffers (which the next run reuses)."""
+    model = setup.make_model()
+    monkeypatch.setattr(pf_grpo, "available_host_bytes", lambda: 8e9)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert pf_grpo.free_host_bytes(model) == pytest.approx(pf_grpo.AUTO_OFFLOAD_MARGIN * 2e9)
+    pool = model._prefixflow_pool = offload.HostPool(pin=False)
+    pool.give(pool.take(1000))
+    assert pf_grpo.free_host_bytes(model) == pytest.approx(pf_grpo.AUTO_OFFLOAD_MARGIN * (2e9 + 1000))
+    monkeypatch.setattr(pf_grpo, "available_host_bytes", lambda: None)
+    assert pf_grpo.free_host_bytes(model) is None
+
+
 @pytest.mark.parametrize("budget, mode, recomputed", [(float("inf"), 0.0, 0.0), ("no room to keep", 0.0, 1.0),
                                                      (0.0, 1.0, 1.0), ("kv", 2.0, 1.0), ("no host memory", 0.0, 1.0)])
 def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget, mode, recomputed):

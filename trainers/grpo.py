@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
+from hf_prefixflow.offload import available_host_bytes
 from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, run_need, token_bytes
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession, host_pool
@@ -130,15 +132,15 @@ def free_device_bytes(model: torch.nn.Module) -> float:
 
 
 def free_host_bytes(model: torch.nn.Module) -> float | None:
-    """Host bytes the offload pool may hold: the memory the OS reports available and the pool's free buffers, times
-    `AUTO_OFFLOAD_MARGIN`; None where the OS does not say (not Linux)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
+    """Host bytes this process's offload pool may hold: the host memory available (`offload.available_host_bytes`)
+    shared among the node's processes (`LOCAL_WORLD_SIZE`), plus the pool's free buffers, times
+    `AUTO_OFFLOAD_MARGIN`; None where the OS does not say."""
+    available = available_host_bytes()
+    if available is None:
         return None
     pool = host_pool(model)
-    return AUTO_OFFLOAD_MARGIN * (available + (pool.free_bytes if pool is not None else 0))
+    share = available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return AUTO_OFFLOAD_MARGIN * (share + (pool.free_bytes if pool is not None else 0))
 
 
 class PrefixFlowGRPOTrainer(GRPOTrainer):
