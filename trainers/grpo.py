@@ -73,8 +73,9 @@ class PrefixFlowGRPOConfig(GRPOConfig):
     prefixflow_offload_auto: bool = field(
         default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
                                          "whose estimated peak fits in the free CUDA memory and whose host pool in "
-                                         "the available host memory (hf_prefixflow.planner.offload_for); logged as prefixflow/offload (0 none, "
-                                         "1 activations, 2 K/V too); leave the two settings off"})
+                                         "the available host memory (hf_prefixflow.planner.offload_for); logged as "
+                                         "prefixflow/offload (0 none, 1 activations, 2 K/V too); leave the two "
+                                         "settings off"})
     prefixflow_prefix_recompute: float | None = field(
         default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
                                         f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
