@@ -730,11 +730,17 @@ def replan(path: pathlib.Path) -> None:
     write(report, path.parent, path.stem + "_replanned")
 
 
+def split_arg(text: str) -> str:
+    """A "P/S" argument, checked when parsed rather than when the report is written."""
+    prefix, suffix = map(int, text.split("/"))
+    return text
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3-1.7b,llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--splits", default="10240/2048,8192/4096,6144/6144,4096/8192,2048/10240")
-    parser.add_argument("--timed-split", default="10240/2048")
+    parser.add_argument("--timed-split", default="10240/2048", type=split_arg,
+                        help="P/S timed --repeats times (the others --repeats-other)")
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--rows", type=int, default=1, help="rows per microbatch: baseline rows and PrefixFlow wave")
     parser.add_argument("--policies", default="none,full,selective", help=f"comma-separated, of {POLICIES}")
