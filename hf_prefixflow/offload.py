@@ -54,9 +54,8 @@ class HostPool:
     A tensor takes the smallest free buffer that holds it, if it fills at least half of it; once every buffer is back
     (the session's groups all closed), `trim` frees those no tensor took in the last `IDLE_TRIMS` trims. So prompts
     of changing lengths (or two configurations taking turns) neither reallocate the pool every group nor grow it
-    without bound. One side stream per device for every
-    group: the caching allocator keeps freed blocks per stream, and a new stream per group would strand each group's
-    blocks in another stream's cache.
+    without bound. One side stream per device for every group: the caching allocator keeps freed blocks per stream,
+    and a new stream per group would strand each group's blocks in another stream's cache.
 
     A page-locked buffer is plain host memory of the size asked (in whole pages), registered with CUDA in place
     (`cudaHostRegister`) and unregistered when freed, so the host gets it back. torch's pinned allocator would round
