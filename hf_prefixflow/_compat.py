@@ -6,6 +6,7 @@ library upgrade that moves one fails one clear test instead of a training run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -77,10 +78,8 @@ def consume_cuda_error() -> None:
     """A failed CUDA runtime call leaves its error pending on the thread, and torch raises a pending error at its next
     kernel launch, whichever kernel that is. `torch.cuda.cudart()` has no `cudaGetLastError`: a one-element fill's
     launch check takes the error here instead (a sticky error would still surface at the next operation)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         torch.empty(1, device="cuda").fill_(1)
-    except RuntimeError:
-        pass
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
