@@ -27,7 +27,8 @@ Phase-B peak is the statistic reset when Phase A returns and read before Phase C
  2. frontier: under a device cap of `--frontier-cap-gib` (set_per_process_memory_fraction), per policy and side the
     longest trainable P + S at the proportions of `--frontier-proportions` and the longest P with S =
     `--frontier-suffix`: a bracket seeded at the planner's prediction (steps of an eighth of it, doubling, until one
-    length trains and one fails), then bisection to `--frontier-resolution`. A trial allocates the gradients and runs
+    length trains and one fails), then bisection to `--frontier-resolution` (the baseline's: `--frontier-baseline-
+    resolution`, finer where its frontier is short). A trial allocates the gradients and runs
     one microbatch of `--rows` rows (the baseline: each further one repeats its peak) or two waves (PrefixFlow: the
     second holds gK/gV); out-of-memory fails it. An offload trial whose pinned pool would exceed `--host-budget-gib`
     fails without running. `--frontier-search-s` caps each search.
@@ -558,7 +559,7 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
                        "offload": off != "off", "offload_kv": off == "kv", "scoring": args.scoring,
                        "extra_recompute": bench.estimate(policy, off, share, 16, 16, 2).extra_recompute,
                        "rows": args.rows, "cap_gib": args.frontier_cap_gib, "resolution": args.frontier_resolution,
-                       "gpu": args.gpu, "commit": args.commit}
+                       "baseline_resolution": resolution(args, "baseline"), "gpu": args.gpu, "commit": args.commit}
                 if baseline is None:
                     baseline = run_search(bench, search, policy, "off", "baseline", cap)
                 result = run_search(bench, search, policy, off, "prefixflow", cap)
@@ -580,15 +581,22 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 write(report, out)
 
 
+def resolution(args: argparse.Namespace, side: str) -> int:
+    """Tokens the search of `side` resolves."""
+    return args.frontier_baseline_resolution if side == "baseline" and args.frontier_baseline_resolution \
+        else args.frontier_resolution
+
+
 def run_search(bench: Bench, search: dict, policy: str, offload: str, side: str, cap: float) -> dict:
     args = bench.args
+    step = resolution(args, side)
     share = bench.configure(policy, offload)
     rows = args.rows
     knobs = dict(rows_per_microbatch=rows, wave_size=rows, offload=offload != "off", offload_kv=offload == "kv",
                  suffix_checkpointing=True, prefix_recompute=share, loss_bytes_per_logit=LOSS_BYTES[args.scoring])
     predicted = planner.longest(bench.model, search["P"], search["S"], 2 * rows, cap, policy,
                                 vary="prompt" if search["kind"] == "prompt" else "both", side=side,
-                                resolution=args.frontier_resolution, maximum=args.frontier_max, **knobs)
+                                resolution=step, maximum=args.frontier_max, **knobs)
     bench.log(f"frontier {search['kind']} {policy} {side} offload={offload}: planner predicts {predicted}")
     stop_at = min(bench.deadline, time.monotonic() + args.frontier_search_s)
 
@@ -601,8 +609,7 @@ def run_search(bench: Bench, search: dict, policy: str, offload: str, side: str,
         write(bench.report, bench.out)
         return outcome
 
-    result = bracket(trains, predicted or args.frontier_resolution, args.frontier_resolution, args.frontier_max,
-                     stop_at, bench.log)
+    result = bracket(trains, predicted or step, step, args.frontier_max, stop_at, bench.log)
     result["predicted"] = predicted
     return result
 
@@ -680,7 +687,9 @@ def markdown(report: dict) -> str:
             f"{_num(r['baseline_time_s'], 3)} | {_num(r['prefixflow_time_s'], 3)} | {_num(r['time_ratio'], 3)} |")
     if report["frontier"]:
         lines += ["", f"Frontier under a {c['frontier_cap_gib']} GiB device cap, {c['rows']} row(s) per microbatch, "
-                  f"resolution {c['frontier_resolution']} tokens: `proportional` is the longest P + S at the given "
+                  f"resolution {c['frontier_resolution']} tokens"
+                  + (f" ({c['frontier_baseline_resolution']} for the baseline)" if c.get("frontier_baseline_resolution")
+                     else "") + ": `proportional` is the longest P + S at the given "
                   "proportions, `prompt` the longest P with S fixed; in brackets the planner's prediction.", "",
                   "| model | search | policy | offload | extra recompute | baseline tokens | PrefixFlow tokens | "
                   "frontier ratio | stopped by (baseline / PrefixFlow) |", "| --- " * 9 + "|"]
@@ -762,6 +771,8 @@ def main() -> None:
     parser.add_argument("--frontier-suffix", type=int, default=2048, help="S of the longest-prompt search (0: no such search)")
     parser.add_argument("--frontier-cap-gib", type=float, default=24.0)
     parser.add_argument("--frontier-resolution", type=int, default=512)
+    parser.add_argument("--frontier-baseline-resolution", type=int, default=0,
+                        help="the baseline search's resolution (0: --frontier-resolution)")
     parser.add_argument("--frontier-max", type=int, default=131072)
     parser.add_argument("--frontier-search-s", type=float, default=60.0, help="time cap of each search")
     parser.add_argument("--host-budget-gib", type=float, default=48.0, help="largest pinned pool a trial may need")
