@@ -387,13 +387,13 @@ def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, comp
     layers = tokens.layers
     suffix_policy = checkpointing if suffix_checkpointing else "none"
     prefix = cached * prefix_resident(tokens, checkpointing, offload, share, offload_kv)
-    if offload_kv and suffix_policy == "none":  # a wave keeping its activations keeps each layer's K/V it read
-        prefix += cached * (layers - 2) * tokens.kv
+    # a wave keeping its activations keeps each layer's K/V it read, until its backward: Phase B only
+    waves_kv = cached * (layers - 2) * tokens.kv if offload_kv and suffix_policy == "none" else 0.0
     kv_grad = cached * (2 if offload_kv else layers) * tokens.kv_grad
     n = wave * completion_tokens
     wave_bytes = n * (layers * tokens.resident(suffix_policy) + tokens.final_norm)
     transient = max(tokens.loss(n), n * tokens.transient(suffix_policy) + cached * tokens.kv)
-    phase_b = static + prefix + kv_grad + wave_bytes + transient
+    phase_b = static + prefix + waves_kv + kv_grad + wave_bytes + transient
     recomputes = checkpointing != "none" or offload or round(share * layers) > 0
     if recomputes:
         phase_a = static + prefix + cached * tokens.activations
@@ -403,7 +403,7 @@ def prefixflow_peaks(tokens: TokenBytes, static: float, prompt_tokens: int, comp
                                                     else tokens.backward)
     if offload:
         phase_c += cached * PREFETCH_LAYERS * tokens.host
-    breakdown = {"static": round(static), "prefix": round(prefix), "kv_grad": round(kv_grad),
+    breakdown = {"static": round(static), "prefix": round(prefix + waves_kv), "kv_grad": round(kv_grad),
                  "wave": round(wave_bytes), "peak_transient": round(transient)}
     return phase_a, phase_b, phase_c, breakdown
 

@@ -148,6 +148,25 @@ def test_committed_h200_phase_b_peaks(shape, policy, wave, offload, measured, wh
     assert estimate.phase_b_peak_bytes / GIB == pytest.approx(measured, rel=0.02), where
 
 
+# Phase A and C peaks with the prompt's K/V streamed (`offload_kv`) measured on an H200 (GiB), Llama3-8B shape, N=16,
+# one row per wave, TRL's fused head; the waves' own copies of the K/V (without checkpointing) are gone by Phase C.
+# (P, S, policy, measured A, measured C, where)
+MEASURED_STREAMED = [
+    (8192, 4096, "none", 30.92, 32.372, "2026-12-02_memory_llama3_8b_exact_pool/splits.json"),
+    (8192, 4096, "full", 30.92, 32.372, "2026-12-02_memory_llama3_8b_exact_pool/splits.json"),
+    (4096, 8192, "none", 30.449, 31.175, "2026-12-02_memory_llama3_8b_exact_pool/splits.json"),
+]
+
+
+@pytest.mark.parametrize("prompt, completion, policy, phase_a, phase_c, where", MEASURED_STREAMED)
+def test_committed_h200_streamed_prompt_phase_a_and_c_peaks(prompt, completion, policy, phase_a, phase_c, where):
+    estimate = planner.plan(h200_config("llama3-8b"), prompt, completion, 16, 139 * GIB, policy, wave_size=1,
+                            offload=True, offload_kv=True, suffix_checkpointing=True, prefix_recompute=1.0,
+                            dtype=torch.bfloat16)
+    assert estimate.phase_a_peak_bytes / GIB == pytest.approx(phase_a, rel=0.025), where
+    assert estimate.phase_c_peak_bytes / GIB == pytest.approx(phase_c, rel=0.025), where
+
+
 def test_estimates_grow_with_every_length_and_wave():
     config = h200_config("qwen3-1.7b")
     for policy in planner.POLICIES:
