@@ -25,7 +25,7 @@ import re
 FIELDS = ("model", "P", "S", "N", "policy", "offload", "offload_kv", "scoring", "extra_recompute", "baseline_peak_gib",
           "prefixflow_phase_b_peak_gib", "prefixflow_phase_a_peak_gib", "prefixflow_phase_c_peak_gib",
           "plan_phase_b_peak_gib", "plan_phase_b_error", "phase_b_reduction", "baseline_time_s", "prefixflow_time_s",
-          "time_ratio", "gpu", "commit")
+          "time_ratio", "error", "gpu", "commit")
 
 
 def mode(row: dict) -> str:
