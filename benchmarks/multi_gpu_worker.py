@@ -298,12 +298,12 @@ def train(engine: str, scratch: str, cfg: dict) -> None:
 
     import criterion
     from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-    from hf_prefixflow.trainers import grpo as pf_grpo
+    from hf_prefixflow.trainers import mixin as pf_mixin
     from hf_prefixflow.trainers.grouping import check_group_prompts
 
     # Same rows in the same microbatches on every engine (as tests/ddp_worker.py): no row or group shuffle.
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = (
+    pf_mixin.shuffle_groups = (
         lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
 
     name, _, variant = engine.partition(":")

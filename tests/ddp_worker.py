@@ -22,7 +22,7 @@ import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_prefixflow import PrefixFlowGRPOTrainer  # noqa: E402
-from hf_prefixflow.trainers import grpo as pf_grpo  # noqa: E402
+from hf_prefixflow.trainers import mixin as pf_mixin  # noqa: E402
 from hf_prefixflow.trainers.grouping import check_group_prompts  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def engine_args(engine: str) -> dict:
 def main(name: str, out: str, engine: str) -> None:
     # Same rows in the same microbatches for both trainers (normalisers depend on composition).
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = (
+    pf_mixin.shuffle_groups = (
         lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
     trainer_cls = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}[name]
     if engine.startswith("fsdp"):

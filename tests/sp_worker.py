@@ -20,14 +20,14 @@ import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer  # noqa: E402
-from hf_prefixflow.trainers import grpo as pf_grpo  # noqa: E402
+from hf_prefixflow.trainers import mixin as pf_mixin  # noqa: E402
 from hf_prefixflow.trainers.grouping import check_group_prompts  # noqa: E402
 
 
 def main(name: str, out: str) -> None:
     # Same rows in the same microbatches for both trainers (normalisers depend on composition).
     trl_grpo.shuffle_sequence_dict = lambda batch: batch
-    pf_grpo.shuffle_groups = (
+    pf_mixin.shuffle_groups = (
         lambda batch, size, generator=None, offset=0: (check_group_prompts(batch, size, offset), batch)[1])
     processes = int(os.environ.get("WORLD_SIZE", 1))
     common = dict(output_dir=os.path.join(out, name), per_device_train_batch_size=8 // (2 * processes),

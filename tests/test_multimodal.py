@@ -21,7 +21,7 @@ from test_processing import counting  # noqa: E402 - tests/ is on the path
 from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow import multimodal as mm
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.trainers import grpo as pf_grpo
+from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
 from equivalence import assert_rel_close, assert_same_gradients, gradients, random_plan, token_loss
 
@@ -267,7 +267,7 @@ def train_trainer(trainer_cls, model, processor, dataset, out, **overrides):
 def rows_in_sampler_order(monkeypatch):
     """Both trainers keep rows in sampler order, so their microbatches hold the same rows."""
     monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
-    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None, offset=0:
+    monkeypatch.setattr(pf_mixin, "shuffle_groups", lambda batch, size, generator=None, offset=0:
                         (check_group_prompts(batch, size, offset), batch)[1])
 
 

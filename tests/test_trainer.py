@@ -15,7 +15,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, offload, scheduler
-from hf_prefixflow.trainers import grpo as pf_grpo
+from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -40,7 +40,7 @@ class GradientRecorder(TrainerCallback):
 def same_microbatches(monkeypatch):
     """Both trainers keep rows in sampler order, so microbatches hold the same rows (normalisers depend on it)."""
     monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
-    monkeypatch.setattr(pf_grpo, "shuffle_groups", lambda batch, size, generator=None, offset=0:
+    monkeypatch.setattr(pf_mixin, "shuffle_groups", lambda batch, size, generator=None, offset=0:
                         (check_group_prompts(batch, size, offset), batch)[1])
 
 
@@ -146,8 +146,8 @@ def test_lora_with_kl_through_disabled_adapters(tmp_path, geometry):
 def test_gradient_accumulation_with_groups_spanning_microbatches(tmp_path, monkeypatch):
     """per_device_train_batch_size=2 with num_generations=4: each prompt's cache serves two microbatches."""
     opened = []
-    original_open = pf_grpo.GroupSession.open
-    monkeypatch.setattr(pf_grpo.GroupSession, "open",
+    original_open = pf_mixin.GroupSession.open
+    monkeypatch.setattr(pf_mixin.GroupSession, "open",
                         lambda self, *a, **k: opened.append(1) or original_open(self, *a, **k))
     stock, pf = both(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, steps=2,
                      config_cls=PrefixFlowGRPOConfig, prefixflow_merge_microbatches="1")
@@ -253,14 +253,14 @@ def test_the_host_budget_is_shared_by_the_node_s_processes(monkeypatch):
     """Every process of a node reads the same available memory: each pool plans within its share of it, plus its
     own free buffers (which the next run reuses)."""
     model = setup.make_model()
-    monkeypatch.setattr(pf_grpo, "available_host_bytes", lambda: 8e9)
+    monkeypatch.setattr(pf_mixin, "available_host_bytes", lambda: 8e9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert pf_grpo.free_host_bytes(model) == pytest.approx(pf_grpo.AUTO_OFFLOAD_MARGIN * 2e9)
+    assert pf_mixin.free_host_bytes(model) == pytest.approx(pf_mixin.AUTO_OFFLOAD_MARGIN * 2e9)
     pool = model._prefixflow_pool = offload.HostPool(pin=False)
     pool.give(pool.take(1000))
-    assert pf_grpo.free_host_bytes(model) == pytest.approx(pf_grpo.AUTO_OFFLOAD_MARGIN * (2e9 + 1000))
-    monkeypatch.setattr(pf_grpo, "available_host_bytes", lambda: None)
-    assert pf_grpo.free_host_bytes(model) is None
+    assert pf_mixin.free_host_bytes(model) == pytest.approx(pf_mixin.AUTO_OFFLOAD_MARGIN * (2e9 + 1000))
+    monkeypatch.setattr(pf_mixin, "available_host_bytes", lambda: None)
+    assert pf_mixin.free_host_bytes(model) is None
 
 
 @pytest.mark.parametrize("budget, mode, recomputed", [(float("inf"), 0.0, 0.0), ("no room to keep", 0.0, 1.0),
@@ -275,17 +275,17 @@ def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget
     every case."""
     budgets = []
     # Within the stock microbatch's memory keeping fits (the 'auto' policy's other bound, planner-tested).
-    monkeypatch.setattr(pf_grpo, "keeps_suffix_activations", lambda *args, **kwargs: True)
+    monkeypatch.setattr(pf_mixin, "keeps_suffix_activations", lambda *args, **kwargs: True)
     if budget == "kv":
-        monkeypatch.setattr(pf_grpo, "offload_for", lambda *args, **kwargs: (True, True))
+        monkeypatch.setattr(pf_mixin, "offload_for", lambda *args, **kwargs: (True, True))
     if budget == "no room to keep":
-        need = pf_grpo.run_need
-        monkeypatch.setattr(pf_grpo, "run_need", lambda *args, **kwargs: float("inf")
+        need = pf_mixin.run_need
+        monkeypatch.setattr(pf_mixin, "run_need", lambda *args, **kwargs: float("inf")
                             if kwargs.get("suffix_checkpointing") is False else need(*args, **kwargs))
     if budget == "no host memory":
-        monkeypatch.setattr(pf_grpo, "free_host_bytes", lambda model: 0.0)
+        monkeypatch.setattr(pf_mixin, "free_host_bytes", lambda model: 0.0)
     free = 0.0 if budget in ("kv", "no host memory") else 1e30 if budget == "no room to keep" else budget
-    monkeypatch.setattr(pf_grpo, "free_device_bytes", lambda model: budgets.append(free) or free)
+    monkeypatch.setattr(pf_mixin, "free_device_bytes", lambda model: budgets.append(free) or free)
     stock, pf = both(tmp_path, steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
                      gradient_checkpointing=True, config_cls=PrefixFlowGRPOConfig, prefixflow_offload_auto=True)
     assert_aligned(stock, pf)
@@ -300,8 +300,8 @@ def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget
 @pytest.mark.parametrize("engine", [{"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()}, {"_split": True}])
 def test_streamed_prompt_kv_is_refused_where_processes_share_kv(engine, monkeypatch):
     settings = {"_deepspeed": False, "_fsdp": False, "_sp": None, "_split": False, **engine}
-    monkeypatch.setattr(pf_grpo, "check_geometry", lambda *args, can_split: settings["_split"])
-    monkeypatch.setattr(pf_grpo.sequence_parallel, "setup", lambda trainer, size: settings["_sp"])
+    monkeypatch.setattr(pf_mixin, "check_geometry", lambda *args, can_split: settings["_split"])
+    monkeypatch.setattr(pf_mixin.sequence_parallel, "setup", lambda trainer, size: settings["_sp"])
     fake = SimpleNamespace(_deepspeed=settings["_deepspeed"], _fsdp=settings["_fsdp"], num_generations=2,
                            accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
                            args=SimpleNamespace(per_device_train_batch_size=2, steps_per_generation=1,
@@ -545,11 +545,12 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
 
     monkeypatch.setattr(setup, "freeze_rollouts", freeze)
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), caplog.at_level("INFO", logger=pf_grpo.__name__):
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+            caplog.at_level("INFO", logger=pf_mixin.__name__):
         stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
                          torch_compile=True, torch_compile_backend="aot_eager", config_cls=PrefixFlowGRPOConfig,
                          prefixflow_offload=True)  # the prefix layers then recomputed by PrefixFlow, compiled
-        assert torch._dynamo.config.recompile_limit == pf_grpo.RECOMPILE_LIMIT  # undone as the patch exits
+        assert torch._dynamo.config.recompile_limit == pf_mixin.RECOMPILE_LIMIT  # undone as the patch exits
     torch._dynamo.reset()
     assert_aligned(stock, pf)
     assert "compiles each of the 10 decoder layers" in caplog.text and "raises torch._dynamo" in caplog.text

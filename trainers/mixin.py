@@ -1,0 +1,967 @@
+"""PrefixFlowTrainerMixin: the PrefixFlow machinery a TRL group-sampling trainer (GRPO, RLOO) composes with.
+
+`class PrefixFlowXTrainer(PrefixFlowTrainerMixin, XTrainer)` turns TRL's `XTrainer` into one whose actor update and
+scoring passes run each prompt as a prefix group; the config, data, loss, metrics and checkpoints stay TRL's. What
+changes: batches are shuffled and split by whole groups instead of rows, and the per-token log-probs come from
+prefix groups: a prompt runs forward once (Phase A), its completions run as a suffix wave through TRL's own fused
+LM head (Phase B); TRL's loss and backward follow untouched, and the delayed prefix backward (Phase C) runs once
+the last microbatch that reads the prompt has been backpropagated, before the optimizer step. Consecutive
+microbatches of an accumulation window that share a prompt train as one run: one forward and one backward of all
+their rows, each microbatch's loss with TRL's own normaliser and metrics (`_run_loss`). MoE models also
+record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
+once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`). Under plain DDP a
+group may straddle processes: its owner's prefix K/V are shared with the other holders and their gK/gV summed back
+(`hf_prefixflow/distributed/placement.py`).
+
+The mixin relies on what TRL's GRPO and RLOO trainers share (TRL 1.14.1-1.16): `_prepare_inputs`, `training_step`,
+`_get_per_token_logps_and_entropies`, `_compute_loss(model, inputs)`, `_generate(prompts)` returning completion ids
+second, and the buffer of `steps_per_generation` microbatches. What differs, the single-turn generation call, the
+concrete class says (`_turn_completions`, `_turn_generations`). `PrefixFlowArguments` holds the settings; a
+trainer's config class is `@dataclass class C(PrefixFlowArguments, XConfig)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType, TorchDynamoPlugin
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+
+from hf_prefixflow import _compat, moe
+from hf_prefixflow.attention import RECOMPILE_LIMIT
+from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
+from hf_prefixflow.engines import fsdp_units
+from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.layouts import padded_segments
+from hf_prefixflow.errors import PrefixFlowError
+from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
+from hf_prefixflow.offload import available_host_bytes
+from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, run_need, token_bytes
+from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
+from hf_prefixflow.scheduler import GroupSession, host_pool
+from hf_prefixflow.waves import AutoWaves
+
+from . import multimodal, processing, routing, sequence_parallel
+from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
+
+logger = logging.getLogger(__name__)
+
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                   "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass
+class PrefixFlowArguments:
+    """PrefixFlow's settings, the fields a trainer config adds to TRL's (`@dataclass class C(PrefixFlowArguments,
+    GRPOConfig)`); a plain TRL config gets these defaults."""
+
+    prefixflow_layout: str = field(
+        default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
+    prefixflow_min_speedup: float = field(
+        default=MIN_SPEEDUP, metadata={"help": "groups whose FLOP bound is below this train on the plain path "
+                                               "(logged and counted); see hf_prefixflow.flops.MIN_SPEEDUP"})
+    prefixflow_scoring: bool = field(
+        default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
+    prefixflow_routing_replay: bool = field(
+        default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
+    prefixflow_offload: bool = field(
+        default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
+    prefixflow_offload_kv: bool = field(
+        default=False, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
+                                         "streamed in for its turn (implies prefixflow_offload): the longest "
+                                         "prompts, for host-device traffic; one process or DDP without split groups"})
+    prefixflow_offload_auto: bool = field(
+        default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
+                                         "whose estimated peak fits in the free CUDA memory and whose host pool in "
+                                         "the available host memory (hf_prefixflow.planner.offload_for); logged as "
+                                         "prefixflow/offload (0 none, 1 activations, 2 K/V too); leave the two "
+                                         "settings off"})
+    prefixflow_prefix_recompute: float | None = field(
+        default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
+                                        f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
+                                        "back, else 0)"})
+    prefixflow_suffix_checkpointing: str = field(
+        default="auto", metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
+                                          "of recomputing them (the prefix stays checkpointed); 'auto' keeps them "
+                                          "where that fits in the memory one microbatch of full sequences needs "
+                                          "under the same checkpointing; True always recomputes"})
+    prefixflow_wave_size: str | None = field(
+        default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
+                                        "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
+    prefixflow_merge_microbatches: str = field(
+        default="auto", metadata={"help": "consecutive microbatches of one accumulation window that share a prompt "
+                                          "train as one run (one forward and backward of all their rows, each "
+                                          "microbatch keeping its loss normaliser): 'auto' while the run's completion "
+                                          "tokens fit in one microbatch's full sequences, a number caps the "
+                                          "microbatches per run, 1 turns merging off"})
+    prefixflow_kv_grad_dtype: str | None = field(
+        default=None, metadata={"help": "dtype gK/gV sum in across waves ('float32', 'bfloat16'); default: the "
+                                        "trainable parameters' own (fp32 under DeepSpeed, which accumulates in fp32)"})
+    prefixflow_sp_size: int = field(
+        default=1, metadata={"help": "Ulysses sequence parallelism over groups of this many consecutive processes "
+                                     "(trainers/sequence_parallel.py); ParallelismConfig(sp_size=N) means the same"})
+
+    def __post_init__(self):
+        pc = self.parallelism_config
+        if pc is not None and pc.sp_enabled:  # PrefixFlow runs Ulysses itself; TRL and DeepSpeed's would refuse
+            size = sequence_parallel.sp_size_from(pc, self.prefixflow_sp_size)
+            self.prefixflow_sp_size, self.parallelism_config = size, None
+        super().__post_init__()
+
+
+# The settings the trainer reads as attributes (a plain TRL config: these defaults); prefixflow_sp_size is read where
+# sequence parallelism is set up.
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrefixFlowArguments) if f.name != "prefixflow_sp_size"}
+
+
+AUTO_OFFLOAD_MARGIN = 0.9  # of the free device memory, what prefixflow_offload_auto plans a run to fill at most
+
+
+def free_device_bytes(model: torch.nn.Module) -> float:
+    """Device bytes a run may still add: free CUDA memory and the allocator's unused cache, less the gradients the
+    backward has yet to allocate, times `AUTO_OFFLOAD_MARGIN`; unbounded off CUDA."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    pending = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    return AUTO_OFFLOAD_MARGIN * (free + cached - pending)
+
+
+def free_host_bytes(model: torch.nn.Module) -> float | None:
+    """Host bytes this process's offload pool may hold: the host memory available (`offload.available_host_bytes`)
+    shared among the node's processes (`LOCAL_WORLD_SIZE`), plus the pool's free buffers, times
+    `AUTO_OFFLOAD_MARGIN`; None where the OS does not say."""
+    available = available_host_bytes()
+    if available is None:
+        return None
+    pool = host_pool(model)
+    share = available / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return AUTO_OFFLOAD_MARGIN * (share + (pool.free_bytes if pool is not None else 0))
+
+
+class PrefixFlowTrainerMixin:
+    """Training-time KV caching of each group's shared prompt for a TRL trainer whose batches hold groups of
+    `num_generations` completions per prompt: `class PrefixFlowXTrainer(PrefixFlowTrainerMixin, XTrainer)`.
+
+    A concrete class says how its TRL trainer's single-turn generation call reads (`_turn_completions`,
+    `_turn_generations`), for MoE routing replay.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rows_once = processing.RowsOnce()  # the processor runs once per distinct row of a batch
+        _compat.add_fused_lm_head(self)  # the suffix waves' scoring call (TRL 1.15 on adds it itself)
+        # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
+        self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp_units(self.model))
+        self._check_supported()
+        for name, default in DEFAULTS.items():
+            setattr(self, name, getattr(self.args, name, default))
+        if self.prefixflow_layout not in ("padded", "packed"):
+            raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
+        self._auto_waves = self._check_wave_size()
+        self._merge_limit = self._check_merge()
+        self._suffix_policy = self._check_suffix_checkpointing()
+        if self.args.torch_compile:
+            self._compile_layers()
+        apply_prefixflow(self.model, offload=self.prefixflow_offload, offload_kv=self.prefixflow_offload_kv,
+                         prefix_recompute=self.prefixflow_prefix_recompute,
+                         suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
+        if self.ref_model is not None:
+            apply_prefixflow(self.ref_model)
+        self._shape = ModelShape.from_config(unwrap(self.model).config)
+        self._session: GroupSession | None = None
+        self._open: dict[tuple, object] = {}
+        self._fallbacks: Counter = Counter()
+        self._image_refusal = multimodal.refusal(self)  # if set, image rows take the plain path whatever the batch
+        self._group_inputs: dict[tuple, dict] = {}  # image groups' prompt tensors for their Phase A, by group key
+        # PrefixFlow reads router logits (for the load-balancing loss) and replays routes of the routers moe.py knows.
+        self._known_routers = bool(moe.routers(unwrap(self.model)))
+        self._replay = self.prefixflow_routing_replay and self._known_routers
+        self._routes: torch.Tensor | str | None = None  # routes of the rows being scored or trained
+        self._turns, self._turn_lengths, self._routes_prompt_width = 0, [], 0  # generation's turns (tool calls)
+        if self._replay:
+            moe.check_replay_supported(unwrap(self.model))
+        # Runs (`_run_loss`): one process or plain DDP, text-only; ZeRO, FSDP2, SP and split groups keep TRL's
+        # microbatches, and so does the load-balancing loss, which is not linear in its tokens.
+        self._runs = not (self._deepspeed or self._fsdp or self._sp is not None or self._split
+                          or self.aux_loss_enabled)
+        self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
+        self._merge_cap = 1  # microbatches per run for the buffered generation
+        self._token_bytes: TokenBytes | None = None  # the planner's byte model, for prefixflow_suffix_checkpointing
+        self._window_position = 0  # microbatches of this accumulation window already trained
+        self._served: tuple | None = None  # a run's log-probs and entropies of the microbatch TRL's loss reads next
+        self._follow: list[torch.Tensor] = []  # losses of the current run's microbatches still to come
+        self._run_step: str | None = None  # this step's part in a run: "computed" it or "followed" it
+        self._after_run: int | None = None  # the buffer position the next run starts at, if in this window
+        self._anchor: torch.Tensor | None = None
+        self._splits: dict[tuple, placement.SplitGroup] = {}  # this window's groups split across processes
+        if self._split and moe.routers(unwrap(self.model)):
+            raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
+                                  "router logits are per rank); " + _WHOLE_GROUPS)
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        # torch_compile: Accelerate would wrap the whole model in one compiled module, which PrefixFlow's phases
+        # cannot run through; `_compile_layers` compiles each decoder layer in place instead.
+        options = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile:
+            options["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
+        return options
+
+    def _compile_layers(self) -> None:
+        if self._deepspeed or self._fsdp:
+            raise PrefixFlowError(f"torch_compile with DeepSpeed or FSDP is not supported by {type(self).__name__} "
+                                  "(untested with their hooks); turn torch_compile off, or train with DDP.")
+        for model in (m for m in (self.model, self.ref_model) if m is not None):
+            layers = decoder_layers(model)
+            if not layers:
+                raise PrefixFlowError("torch_compile: PrefixFlow compiles a model's decoder layers (transformers' "
+                                      f"GradientCheckpointingLayer), and {type(model).__name__} has none.")
+            for layer in layers:
+                layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
+            logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
+                        "model.", len(layers))
+        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+            logger.info("PrefixFlow: torch_compile raises torch._dynamo.config.recompile_limit from %d to %d (the "
+                        "phases' variants of a layer's graph).", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+
+    def _kv_grad_dtype(self) -> torch.dtype | None:
+        name = self.prefixflow_kv_grad_dtype
+        if name is None:
+            return torch.float32 if self._deepspeed else None  # DeepSpeed's grad_accum_dtype defaults to fp32
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise PrefixFlowError(f"prefixflow_kv_grad_dtype must name a floating-point torch dtype such as "
+                                  f"'float32' or 'bfloat16', got {name!r}.")
+        return dtype
+
+    @property
+    def _deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def _check_supported(self) -> None:
+        plain_ddp = (self.accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+                     and not self._fsdp and getattr(self.args, "prefixflow_sp_size", 1) == 1)
+        self._split = check_geometry(self.args.per_device_train_batch_size, self.num_generations,
+                                     self.args.steps_per_generation, can_split=plain_ddp)
+        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+                     DistributedType.DEEPSPEED, DistributedType.FSDP)
+        if self.accelerator.distributed_type not in supported:
+            raise PrefixFlowError(
+                f"{type(self).__name__} supports one process, DDP, FSDP2 and DeepSpeed ZeRO for now, not "
+                f"{self.accelerator.distributed_type}."
+            )
+        self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
+        if getattr(self.args, "prefixflow_offload_auto", False) and (
+                getattr(self.args, "prefixflow_offload", False) or getattr(self.args, "prefixflow_offload_kv", False)):
+            raise PrefixFlowError("prefixflow_offload_auto picks prefixflow_offload and prefixflow_offload_kv per run; "
+                                  "leave those two False, or turn prefixflow_offload_auto off to set them yourself.")
+        if getattr(self.args, "prefixflow_offload_kv", False) and (
+                self._deepspeed or self._fsdp or self._sp is not None or self._split):
+            raise PrefixFlowError(
+                "prefixflow_offload_kv streams each process's prompt K/V from its own host memory; DeepSpeed, FSDP, "
+                "sequence parallelism and groups split across processes shard or send K/V between processes and "
+                "do not stream it yet. Use prefixflow_offload=True there, or keep each group's rows on one process.")
+        if self._fsdp:
+            fsdp.check_config(self.accelerator, self.model)
+        if self._deepspeed:
+            zero.check_config(self.accelerator)
+            if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+                raise PrefixFlowError(
+                    "under DeepSpeed, prompts stay cached until the accumulation boundary, so a new generation must "
+                    "not start inside a window: make steps_per_generation a multiple of gradient_accumulation_steps."
+                )
+        kwargs = self.args.gradient_checkpointing_kwargs or {}
+        if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
+            raise PrefixFlowError(
+                "reentrant activation checkpointing detaches the prefix K/V from the prefix graph. Set "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's default)."
+            )
+
+    # -- MoE routing replay: record during generation, carry with the batch -----------------------------------
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        # The compiled layers are for training: a generation cache read by layer index would make each layer a graph
+        # of its own and use up torch.compile's recompile limit (`_compile_layers`).
+        eager = torch.compiler.set_stance("force_eager") if self.args.torch_compile else contextlib.nullcontext()
+        with eager:
+            return self._generate_recording_routes(prompt_ids, *args, **kwargs)
+
+    def _generate_recording_routes(self, prompt_ids, *args, **kwargs):
+        """TRL's `_generate_single_turn(prompt_ids, *args, **kwargs)`, its output as is; on the first turn of
+        transformers generation the routes are recorded into `self._routes`, `[B, layers, prompt width +
+        completion width, k]`."""
+        first, self._turns = self._turns == 0, self._turns + 1
+        # Recorded: the first turn of transformers generation. Tool calls' later turns run from prompts the recording
+        # does not cover, and vLLM or continuous batching route outside this process's routers.
+        if not (self._replay and first) or self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        with moe.record_routing() as recorder:
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        completion_ids = self._turn_completions(out)
+        config = unwrap(self.model).config.get_text_config()
+        prefill = next(iter(recorder.calls.values()))[0]  # the first call runs the left-padded prompts
+        self._routes_prompt_width = prefill.shape[0] // len(prompt_ids)
+        self._routes = routing.assemble(recorder, len(prompt_ids), self._routes_prompt_width,
+                                        max(len(c) for c in completion_ids), config.num_hidden_layers,
+                                        self._turn_generations(prompt_ids, *args, **kwargs),
+                                        config.num_experts_per_tok)
+        self._turn_lengths = [len(c) for c in completion_ids]
+        return out
+
+    def _turn_completions(self, out) -> list[list[int]]:
+        """The completion token ids in the output of the TRL trainer's `_generate_single_turn`."""
+        raise NotImplementedError(f"{type(self).__name__} must say where its TRL trainer's `_generate_single_turn` "
+                                  "returns the completion ids (`_turn_completions`).")
+
+    def _turn_generations(self, prompt_ids, *args, **kwargs) -> int:
+        """Completions per prompt in a call of the TRL trainer's `_generate_single_turn` with these arguments."""
+        raise NotImplementedError(f"{type(self).__name__} must say how many completions per prompt its TRL trainer's "
+                                  "`_generate_single_turn` generates (`_turn_generations`).")
+
+    def _generate(self, prompts):
+        self._turns, self._routes = 0, None
+        out = super()._generate(prompts)
+        if self._replay:
+            completion_ids = out[1]
+            if self._routes is None:
+                self._routes = routing.UNRECORDED
+                self._count_fallback("MoE routing replay: rollouts from custom rollouts, vLLM or continuous batching "
+                                     "carry no recorded routes and route afresh", len(completion_ids))
+            elif self._turns > 1:
+                lengths = [len(c) for c in completion_ids]
+                self._routes = routing.first_turn_only(self._routes, self._routes_prompt_width, self._turn_lengths,
+                                                       max(lengths))
+                later = sum(n > first for n, first in zip(lengths, self._turn_lengths))
+                if later:
+                    self._count_fallback("MoE routing replay: tool results and the turns after them route afresh",
+                                         later)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        with self._rows_once.applied(self):
+            batch = super()._generate_and_score_completions(inputs)  # scoring passes inside use self._routes
+        if self._replay:
+            routes, width = self._routes, batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+            if routes is not routing.UNRECORDED and (routes is None or routes.shape[0] != batch["prompt_ids"].shape[0]
+                                                     or routes.shape[2] != width):
+                raise PrefixFlowError("the recorded routes do not match the generated batch; replay cannot proceed.")
+            batch[routing.BATCH_KEY] = None if routes is routing.UNRECORDED else routes
+        self._routes = None
+        return batch
+
+    def _compute_loss(self, model, inputs):
+        actor_update = model.training and torch.is_grad_enabled()
+        if actor_update and self._runs and not any(inputs.get(key) is not None for key in MULTIMODAL_KEYS):
+            return self._run_loss(model, inputs)
+        self._routes = _batch_routes(inputs)
+        if self._split and actor_update:
+            self._open_split_groups(model, inputs)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._routes = None
+
+    def _rows_routes(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if not self._replay or self._routes is routing.UNRECORDED:
+            return None
+        routes = self._routes
+        if routes is None or routes.shape[0] != input_ids.shape[0] or routes.shape[2] != input_ids.shape[1]:
+            raise PrefixFlowError("MoE routing replay data is missing for this forward; refusing to re-route.")
+        return routes.to(input_ids.device)
+
+    # -- data flow: whole groups ------------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+            # The stock trainer shuffles rows here. This process's rows start `offset` rows into their group.
+            offset = self.accelerator.process_index * len(batch["prompt_ids"]) % self.num_generations
+            batch = shuffle_groups(batch, self.num_generations, offset=offset)
+            chunks = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
+            self._index_generation(batch)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _index_generation(self, batch: dict) -> None:
+        """The buffered generation's groups and completion lengths, read on the host once, and how many
+        microbatches a run may merge ('auto': while a run's completion tokens fit in one microbatch's full
+        sequences, so Phase B holds no more activations than the stock trainer's microbatch)."""
+        self._generation = index_batch(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                                       torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                                       batch["completion_ids"].shape[1])
+        if not self._runs:
+            return
+        prompt, completion = batch["prompt_ids"].shape[1], max(batch["completion_ids"].shape[1], 1)
+        cap = (prompt + completion) // completion if self._merge_limit is None else self._merge_limit
+        if self.accelerator.num_processes > 1:  # every process runs the same schedule (DDP's forwards talk)
+            shared = torch.tensor(cap, device=self.accelerator.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+            cap = int(shared)
+        self._merge_cap = cap
+
+    def _microbatch_index(self, position: int) -> BatchIndex:
+        size = self.args.per_device_train_batch_size
+        return self._generation.rows_in(position * size, (position + 1) * size)
+
+    # -- runs: several microbatches, one forward and one backward ------------------------------------------------
+
+    def _run_loss(self, model, inputs):
+        """TRL's loss of this microbatch. The first microbatch of a run computes the log-probs of every row of the
+        run in one forward (a group's rows of all its microbatches in one wave), then TRL's loss of each microbatch
+        with that microbatch's own normaliser and metrics, and returns a loss whose value is its own and whose
+        gradient is the run's sum: one backward. The run's other microbatches return their losses, their gradients
+        already accumulated."""
+        if self._follow:
+            self._run_step = "followed"
+            if self._anchor is None:
+                self._anchor = torch.zeros((), device=self.accelerator.device, requires_grad=True)
+            return self._follow.pop(0) + 0 * self._anchor  # a backward that touches no parameter
+        position = self._step % self.args.steps_per_generation
+        run = self._buffered_inputs[position : position + self._run_length(position)]
+        if run[0] is not inputs:
+            raise PrefixFlowError("internal: the microbatch TRL trains is not the buffered one the run starts with.")
+        logps, entropies = self._run_logps(model, run, position)
+        losses = self._microbatch_losses(model, run, logps, entropies)
+        window_goes_on = self._window_position + len(run) < self.current_gradient_accumulation_steps
+        self._after_run = self._position_at(self._step + len(run)) if window_goes_on else None
+        self._run_step = "computed"
+        self._metrics["train"]["prefixflow/run_microbatches"].append(float(len(run)))
+        self._follow = [loss.detach() for loss in losses[1:]]
+        if not self._follow:
+            return losses[0]
+        rest = torch.stack(losses[1:]).sum()
+        return losses[0] + (rest - rest.detach())  # the value stays this microbatch's, exactly
+
+    def _run_length(self, position: int) -> int:
+        """Microbatches from buffer `position` that train as one run: within the accumulation window and the
+        buffered generation, up to the merge cap, and only while the run's last microbatch ends inside a group
+        (a process's groups start at multiples of num_generations): merging whole groups saves nothing."""
+        window_left = self.current_gradient_accumulation_steps - self._window_position
+        limit = min(window_left, self.args.steps_per_generation - position, self._merge_cap)
+        length = 1
+        while length < limit and (position + length) * self.args.per_device_train_batch_size % self.num_generations:
+            length += 1
+        return length
+
+    def _run_logps(self, model, run: list[dict], position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of every row of a run: each group's rows of all its microbatches in one wave."""
+        keys = ("prompt_ids", "completion_ids", "prompt_mask", "completion_mask")
+        prompt_ids, completion_ids, prompt_mask, completion_mask = (torch.cat([mb[k] for mb in run]) for k in keys)
+        routes = [_batch_routes(mb) for mb in run]
+        self._routes = torch.cat(routes) if isinstance(routes[0], torch.Tensor) else routes[0]
+        size = self.args.per_device_train_batch_size
+        index = self._generation.rows_in(position * size, (position + len(run)) * size)
+        try:
+            logps, entropies, _ = self._logps(model, torch.cat([prompt_ids, completion_ids], dim=1),
+                                              torch.cat([prompt_mask, completion_mask], dim=1),
+                                              completion_ids.shape[1], compute_entropy=True, index=index)
+        finally:
+            self._routes = None
+        return logps, entropies
+
+    def _microbatch_losses(self, model, run: list[dict], logps: torch.Tensor,
+                           entropies: torch.Tensor) -> list[torch.Tensor]:
+        """TRL's loss of each microbatch of a run, read from the run's log-probs. TRL's end-of-window work (the
+        adaptive entropy controller, the entropy_coef metric) runs with the window's last microbatch, as stock."""
+        sizes = [len(mb["completion_ids"]) for mb in run]
+        ends_window = self._window_position + len(run) == self.current_gradient_accumulation_steps
+        sync = self.accelerator.sync_gradients
+        losses = []
+        try:
+            for index, (mb, served) in enumerate(zip(run, zip(logps.split(sizes), entropies.split(sizes)))):
+                if len(run) > 1:
+                    _compat.set_sync_gradients(self.accelerator, ends_window and index == len(run) - 1)
+                self._served = served
+                losses.append(super(PrefixFlowTrainerMixin, self)._compute_loss(model, mb))
+        finally:
+            _compat.set_sync_gradients(self.accelerator, sync)
+            self._served = None
+        return losses
+
+    # -- log-probs through prefix groups ----------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        if self._served is not None:  # a microbatch of a run: its rows' values were computed with the run's
+            (logps, entropies), self._served = self._served, None
+            if logps.shape[0] != input_ids.shape[0]:
+                raise PrefixFlowError("internal: a run served log-probs of another microbatch.")
+            return logps, (entropies if compute_entropy else None), None
+        if self._sp is not None:  # Ulysses: the SP group pools its rows and runs them sharded
+            if any(extra.get(key) is not None for key in MULTIMODAL_KEYS) or compute_aux_loss:
+                raise PrefixFlowError("sequence parallelism supports text-only dense models; multimodal inputs and "
+                                      "MoE auxiliary losses are not sharded yet.")
+            return sequence_parallel.logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+        return self._logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                           compute_aux_loss, **extra)
+
+    def _logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+               compute_aux_loss=False, index: BatchIndex | None = None, **extra):
+        """Log-probs (entropies, load-balancing loss) of a batch: groups worth sharing as prefix groups, the other
+        rows on TRL's plain path. `index`: the batch's groups and lengths when the host knows them already."""
+        routes = self._rows_routes(input_ids)
+
+        def plain(rows):
+            ids, mask = _take(input_ids, rows), _take(attention_mask, rows)
+            if routes is not None:
+                return routing.plain_logps(self, model, ids, mask, logits_to_keep, _take(routes, rows),
+                                           compute_entropy, compute_aux_loss)
+            return super(PrefixFlowTrainerMixin, self)._get_per_token_logps_and_entropies(
+                model, ids, mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss, **multimodal.plain_kwargs(extra, rows, input_ids.shape[0]))
+
+        training = torch.is_grad_enabled()
+        reason = self._plain_path_reason(extra, training, compute_aux_loss)
+        if reason and training and self._split:
+            raise PrefixFlowError(f"{reason} cannot train groups split across processes; " + _WHOLE_GROUPS)
+        shared, fallback = [], []
+        if not reason:
+            index = index or index_batch(input_ids, attention_mask, logits_to_keep)
+            if multimodal.present(extra):  # image rows: groups told apart by their images too
+                index, self._group_inputs, reason = multimodal.image_groups(self, index, input_ids, logits_to_keep,
+                                                                            extra, self._open)
+        if not reason:
+            # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
+            # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
+            every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
+            shared, fallback = self._choose(index, every_group=every_group, split=self._splits if training else {})
+            if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
+                reason = "router auxiliary loss with a one-token prompt"
+        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
+        # Before any forward: under FSDP2 a rank taking another path would mismatch the others' collectives.
+        schedule = [1, 0, 0, 0] if reason else [0, fresh, sum(len(g.rows) for g in shared), int(bool(fallback))]
+        fsdp.check_same_schedule(model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards",
+                                 schedule)
+        if reason:
+            self._count_fallback(reason, input_ids.shape[0])
+            return plain(list(range(input_ids.shape[0])))
+        aux_parts: list | None = [] if compute_aux_loss else None
+        width = input_ids.shape[1] - logits_to_keep
+        completions, completion_mask = input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
+        suffix_routes = None if routes is None else routes[:, :, width:]
+        pieces: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+        start = time.perf_counter()
+        if fallback:
+            self._count_fallback("below prefixflow_min_speedup", len(fallback))
+            logps, entropies, _ = plain(fallback)
+            pieces.append((fallback, logps, entropies))
+        if shared:
+            waves = (completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
+            if training:
+                pieces += self._training_waves(model, shared, routes, width, waves)
+            else:
+                with GroupSession(model) as session:
+                    pieces += [self._wave(self._open_group(session, g, routes, width, aux_parts is not None), g.rows,
+                                          *waves) for g in shared]
+        self._log_groups(shared, index.lengths if shared else [], training, time.perf_counter() - start)
+        order = [r for rows, _, _ in pieces for r in rows]
+        logps = _in_order(torch.cat([p[1] for p in pieces]), order)
+        entropies = _in_order(torch.cat([p[2] for p in pieces]), order) if compute_entropy else None
+        aux = None
+        if aux_parts is not None:
+            config = unwrap(self.model).config.get_text_config()
+            aux = moe.load_balancing_loss(aux_parts, config.num_experts, config.num_experts_per_tok)
+        return logps, entropies, aux
+
+    def _plain_path_reason(self, extra: dict, training: bool, compute_aux_loss: bool) -> str | None:
+        if any(extra.get(key) is not None for key in MULTIMODAL_KEYS):
+            if self._replay:
+                raise PrefixFlowError("MoE routing replay with multimodal inputs is not supported; set "
+                                      "prefixflow_routing_replay=False.")
+            if self._image_refusal:
+                return self._image_refusal
+        if not training and not self.prefixflow_scoring:
+            return "prefixflow_scoring=False"
+        if compute_aux_loss and not self._known_routers:
+            return ("router auxiliary loss of a router whose logits PrefixFlow does not read (Qwen3-MoE and Mixtral "
+                    "routers; others: hf_prefixflow.moe.register_router)")
+        return None
+
+    def _choose(self, index: BatchIndex, every_group: bool = False, split: dict | None = None):
+        """Groups worth sharing (in row order), and the rows that train on the plain path (the FLOP model's verdict,
+        unless `every_group`: then only one-token prompts, which leave nothing to share). Groups split across
+        processes (keys in `split`) are always shared: their other holders read this rank's K/V or send it gK/gV."""
+        shared, fallback = [], []
+        for group in sorted(index.groups, key=lambda g: g.rows[0]):
+            pays = self._shape.pays(len(group.prefix_ids), [index.lengths[r] for r in group.rows],
+                                    self.prefixflow_min_speedup, self.args.per_device_train_batch_size,
+                                    PASS_FLOOR_TOKENS if self.accelerator.device.type == "cuda" else 0)
+            if (every_group or pays or group.key in (split or {})) and len(group.prefix_ids) > 1:
+                shared.append(group)
+            else:
+                fallback += group.rows
+        return shared, fallback
+
+    def _open_group(self, session: GroupSession, group: BatchGroup, routes: torch.Tensor | None, width: int,
+                    collect_router_logits: bool):
+        prefix_routes = None if routes is None else routes[group.rows[0], :, group.position_offset : width].long()
+        with self.accelerator.autocast():  # Phase A under the same autocast as the waves, as in TRL's forward
+            return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes,
+                                collect_router_logits=collect_router_logits, **self._group_inputs.get(group.key, {}))
+
+    def _wave(self, group, rows, completions, completion_mask, suffix_routes, lengths, compute_entropy, aux_parts):
+        """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
+        ids, mask = _take(completions, rows), _take(completion_mask, rows)
+        labels = ids.masked_fill(mask == 0, -100)
+        routes = None if suffix_routes is None else _take(suffix_routes, rows).transpose(0, 1).long()
+        if aux_parts is not None:
+            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy, aux_parts)
+        with self.accelerator.autocast():
+            if self.prefixflow_layout == "packed":
+                real = [max(lengths[r], 1) for r in rows]
+                suffixes = [row[:n] for row, n in zip(ids, real)]
+                per_suffix = None if routes is None else [routes[:, i, :n] for i, n in enumerate(real)]
+                out = group.packed(suffixes, routes=per_suffix, shift_labels=_pack(labels, real),
+                                   fused_lm_head=True).raw
+                logps, entropy = _unpack(out.log_probs, real, ids.shape[1]), _unpack(out.entropy, real, ids.shape[1])
+            else:
+                out = group.run_wave(_padded_wave(group, ids, mask, routes), shift_labels=labels, fused_lm_head=True)
+                logps, entropy = out.log_probs, out.entropy
+        return rows, logps, (entropy if compute_entropy else None)
+
+    def _wave_with_router_logits(self, group, ids, mask, labels, routes, compute_entropy, aux_parts):
+        """A padded wave that also feeds each completion's last token (TRL's rows do, so its router logits count in
+        the load-balancing loss) and adds this wave's and the prefix's router logits to `aux_parts`."""
+        pad = ids.new_zeros(ids.shape[0], 1)
+        ids, mask, labels = torch.cat([ids, pad], 1), torch.cat([mask, pad], 1), torch.cat([labels, pad - 100], 1)
+        if routes is not None:
+            routes = torch.cat([routes, routes[:, :, -1:]], dim=2)
+        with self.accelerator.autocast():
+            wave = _padded_wave(group, ids, mask, routes)
+            wave.router_logits = {}
+            out = group.run_wave(wave, shift_labels=labels, fused_lm_head=True)
+        count = float(len(ids))
+        aux_parts.append(({l: t.leaf for l, t in group.cache.router_logits.items()},
+                          torch.full((group.cache.prefix_length,), count, device=ids.device)))
+        aux_parts.append((wave.router_logits, (wave.segment_ids >= 0).reshape(-1)))
+        entropy = out.entropy[:, :-1] if compute_entropy else None
+        return out.log_probs[:, :-1], entropy
+
+    # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
+
+    def _training_waves(self, model, groups, routes, width, waves):
+        if self._session is None:
+            self._session = GroupSession(model).start()
+        pieces = []
+        if self.prefixflow_offload_auto:
+            self._choose_offload(model, [g for g in groups if g.key not in self._open and g.key not in self._splits],
+                                 waves[0].shape[1])
+        checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
+        for g in groups:
+            split = self._splits.get(g.key)
+            group = split.group if split is not None else self._open.get(g.key)
+            if group is None:
+                group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
+            # A group streaming its K/V (opened by an earlier run under prefixflow_offload_auto) never keeps its
+            # waves' activations: they would hold every layer's K/V through the wave.
+            group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
+                else checkpointed
+            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
+        self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
+        return pieces
+
+    def _check_wave_size(self) -> AutoWaves | None:
+        size = self.prefixflow_wave_size
+        if size == "auto":
+            if self.accelerator.device.type != "cuda":
+                raise PrefixFlowError("prefixflow_wave_size='auto' reads free CUDA memory; on "
+                                      f"{self.accelerator.device.type} give a number of rows or None.")
+            if self.accelerator.num_processes > 1:  # DDP buffers and sharded weights talk in every forward
+                raise PrefixFlowError("prefixflow_wave_size='auto' could pick different wave counts on different "
+                                      "processes, whose per-forward collectives would then hang; give a number.")
+            return AutoWaves()
+        if size is not None:
+            if not str(size).isdigit() or int(size) < 1:
+                raise PrefixFlowError(f"prefixflow_wave_size must be None, 'auto' or a positive integer, got {size!r}.")
+            self.prefixflow_wave_size = int(size)
+        return None
+
+    def _check_suffix_checkpointing(self) -> bool | str:
+        """The suffix-checkpointing policy: True, False or 'auto' (`_suffix_checkpointed`)."""
+        setting = self.prefixflow_suffix_checkpointing
+        policy = {"true": True, "false": False, "auto": "auto"}.get(str(setting).lower())
+        if policy is None:
+            raise PrefixFlowError(f"prefixflow_suffix_checkpointing must be True, False or 'auto', got {setting!r}.")
+        # Nothing to suspend; checkpoint wrappers transformers' switch does not reach; or engines whose recompute
+        # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
+        # rank must then run alike while "auto" decides from each rank's own rows.
+        # With prefixflow_offload_kv, kept activations would hold every layer's K/V on the device through a wave.
+        if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp or self._deepspeed
+                                 or self._sp is not None or self.prefixflow_offload_kv
+                                 or any(type(m).__name__ == "CheckpointWrapper" for m in self.model.modules())):
+            return True
+        return policy
+
+    def _planner_tokens(self, model) -> TokenBytes:
+        """The planner's byte model of the trained model, built once."""
+        if self._token_bytes is None:
+            # TRL 1.15 on scores through its fused head (no logits tensor); 1.14 through the model's logits
+            self._token_bytes = token_bytes(unwrap(model),
+                                            scoring="fused" if _compat.trl_fused_lm_head() else "logits")
+        return self._token_bytes
+
+    def _choose_offload(self, model, opening: list[BatchGroup], completion_width: int) -> None:
+        """prefixflow_offload_auto: the offload mode the groups this run opens get (`planner.offload_for`), from
+        the device memory free now less the gradients not yet allocated, and the host memory available to the pool;
+        groups already open keep theirs."""
+        if not opening:
+            return
+        offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
+                                  completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
+                                  self._checkpointing_policy(), self.prefixflow_prefix_recompute,
+                                  allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split),
+                                  host_budget=free_host_bytes(model))
+        apply_prefixflow(model, offload=offload, offload_kv=kv)
+        self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
+
+    def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
+        """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
+        them fits in the memory TRL's microbatch of full sequences needs under the same checkpointing
+        (`planner.keeps_suffix_activations`); the prompt freed that memory. Never under offload_kv, nor where
+        prefixflow_offload_auto offloaded or found no room for them. Logged as prefixflow/suffix_checkpointing."""
+        if self._suffix_policy != "auto":
+            return None
+        config = config_of(unwrap(model))
+        # With offload_kv kept activations would hold every layer's K/V through a wave; prefixflow_offload_auto
+        # planned the run's waves recomputing where it offloaded or where keeping them would not fit.
+        tight = config.offload_kv or (self.prefixflow_offload_auto and (
+            config.offload or not self._keeping_fits(model, groups, completion_width)))
+        keep = not tight and keeps_suffix_activations(
+            self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
+            [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
+            share=config.recompute_share)
+        self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
+        return not keep
+
+    def _keeping_fits(self, model, groups: list[BatchGroup], completion_width: int) -> bool:
+        """prefixflow_offload_auto: whether the run's waves keeping their activations fits the free device memory
+        (`planner.run_need`; the state of groups already open is allocated and counted again: conservative)."""
+        need = run_need(self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
+                        [len(g.rows) for g in groups], self._checkpointing_policy(),
+                        prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=False)
+        return need <= free_device_bytes(model)
+
+    def _checkpointing_policy(self) -> str:
+        return "full" if self.args.gradient_checkpointing else "none"
+
+    def _check_merge(self) -> int | None:
+        """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""
+        limit = self.prefixflow_merge_microbatches
+        if limit == "auto":
+            return None
+        if not str(limit).isdigit() or int(limit) < 1:
+            raise PrefixFlowError(f"prefixflow_merge_microbatches must be 'auto' or a positive integer, got {limit!r}.")
+        return int(limit)
+
+    def _wave_rows(self, g: BatchGroup, lengths: list[int], device: torch.device):
+        """A group's rows of this microbatch (or run), wave by wave (any split is exact). They backpropagate
+        together, so their waves' graphs coexist: a smaller wave bounds one forward's working set, not their sum;
+        'auto' measures a wave's forward and sizes each wave to the memory free when it starts."""
+        if self._auto_waves is None:
+            size = self.prefixflow_wave_size or len(g.rows)
+            yield from (g.rows[i : i + size] for i in range(0, len(g.rows), size))
+            return
+        for rows in self._auto_waves.waves([lengths[r] for r in g.rows], len(g.prefix_ids), device):
+            yield [g.rows[i] for i in rows]
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        window = zero.inside_window(self.accelerator) if self._deepspeed else contextlib.nullcontext()
+        # DDP and FSDP2 accumulate every backward locally; DDP reduces once after Phase C, FSDP2 in its last backward.
+        with data_parallel.local_gradients(model), fsdp.local_gradients(model):
+            try:
+                with window:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
+            except BaseException as exc:
+                self._end_session(exc)
+                self._window_position = 0
+                raise
+            start = time.perf_counter()
+            if self.accelerator.sync_gradients:
+                placement.reduce_gradients(list(self._splits.values()))  # every rank, in the order they opened
+                self._end_boundary()  # Phase C for every open group, before the optimizer step
+            elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
+                self._close_groups_not_in(self._after_run)
+            elif self._run_step is None and not self._deepspeed and self._sp is None:
+                self._close_groups_not_in(self._position_at(self._step))  # under ZeRO and SP, groups stay open
+            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+            self._log_host_pool(model)
+        self._run_step = None
+        self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
+        if self.accelerator.sync_gradients:
+            data_parallel.all_reduce_gradients(model)
+        return loss
+
+    def _log_host_pool(self, model) -> None:
+        """Offload's host memory (prefixflow/host_pool_gib) and the buffers it took from torch's pinned allocator
+        because page-locking in place failed (prefixflow/pin_fallbacks)."""
+        pool = host_pool(model)
+        if pool is not None:
+            self._metrics["train"]["prefixflow/host_pool_gib"].append(pool.allocated_bytes / 2**30)
+            self._metrics["train"]["prefixflow/pin_fallbacks"].append(float(pool.pin_fallbacks))
+
+    def _open_split_groups(self, model, inputs: dict) -> None:
+        """Ranks agree on the groups of this microbatch that several of them hold (an all-gather of its prompt keys)
+        and open them, owner first (`placement.open_split`); they stay open until the accumulation boundary."""
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        groups = index_batch(ids, mask, inputs["completion_ids"].shape[1]).groups
+        local = {g.key: g for g in groups if len(g.prefix_ids) > 1}
+        holders = placement.holders(local)
+        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
+        for key, ranks in spread.items():
+            if key in self._splits and not set(ranks) <= set(self._splits[key].holders):
+                raise PrefixFlowError(
+                    f"a group split across processes {self._splits[key].holders} reappeared on processes {ranks} in "
+                    "the same accumulation window; its prefix K/V live only on the first. " + _WHOLE_GROUPS)
+        if self._session is None:
+            self._session = GroupSession(model).start()
+        for key in sorted(k for k in spread if k not in self._splits):  # the same order on every rank
+            g = local.get(key)
+            with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
+                self._splits[key] = placement.open_split(self._session, None if g is None else g.prefix_ids,
+                                                         spread[key], position_offset=key[0])
+        self._metrics["train"]["prefixflow/split_groups"].append(float(sum(len(r) > 1 for r in spread.values())))
+
+    def _end_boundary(self) -> None:
+        if not (self._deepspeed or self._fsdp):
+            self._end_session()
+            return
+        session, self._session, self._open = self._session, None, {}
+        fsdp.check_same_schedule(self.model, "the prefix groups closing at the boundary",
+                                 [len(session.groups) if session else 0])
+        fed = 0
+        if session is not None:
+            try:
+                fed = self._reducing_phase_c(session)
+            finally:
+                session.finish()
+        if not fed:
+            effect = "the engine would not step" if self._deepspeed else "FSDP2 would reduce no gradient"
+            raise PrefixFlowError(
+                f"no prefix group reached this accumulation boundary, so {effect} (the boundary's Phase C is its "
+                "reducing backward). Every microbatch must hold shareable prompts (more than one token); use "
+                f"{self._name}Trainer otherwise."
+            )
+
+    def _reducing_phase_c(self, session: GroupSession) -> int:
+        """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
+        if self._deepspeed:
+            return session.close(backward=zero.boundary_backward(self.accelerator))
+        if not session.groups:
+            return 0
+        # FSDP2 reduces a unit in each post-backward: one prefix graph reaches each unit once, so close the others
+        # unreduced first and let the last one reduce everything, one reduce-scatter per unit.
+        *earlier, last = session.groups
+        session.close(earlier)
+        with fsdp.reducing(self.model):
+            return session.close([last])
+
+    def _close_groups_not_in(self, position: int | None) -> None:
+        """Phase C for the open groups that the buffered microbatch at `position` (None: none) does not read."""
+        if self._session is None:
+            return
+        keep = set() if position is None else {g.key for g in self._microbatch_index(position).groups}
+        closing = [key for key in self._open if key[:2] not in keep]  # an image group's key: prompt key + number
+        fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
+        self._session.close([self._open.pop(key) for key in closing])
+
+    def _position_at(self, step: int) -> int | None:
+        """The buffer position TRL's microbatch `step` trains, unless a new generation comes first (None)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._buffered_inputs is None or step % generate_every == 0:
+            return None
+        return step % self.args.steps_per_generation
+
+    def _end_session(self, exc: BaseException | None = None) -> None:
+        session, self._session = self._session, None
+        self._open, self._splits = {}, {}
+        self._follow, self._served, self._run_step = [], None, None
+        if session is not None:
+            session.finish(exc)
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+
+    def _count_fallback(self, reason: str, rows: int) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        if not self._fallbacks[reason]:
+            logger.warning("PrefixFlow: rows take the plain %s path (%s); counted in prefixflow/fallback_rows.",
+                           self._name, reason)
+        self._fallbacks[reason] += rows
+
+    def _log_groups(self, groups: list[BatchGroup], lengths: list[int], training: bool, seconds: float):
+        if not groups:
+            return
+        mode = "train" if self.model.training else "eval"
+        prefix_tokens = sum(len(g.prefix_ids) * len(g.rows) for g in groups)
+        suffix_tokens = sum(lengths[r] for g in groups for r in g.rows)
+        full = sum(self._shape.full_sequence(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
+        shared = sum(self._shape.prefixflow(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
+        prefix = "prefixflow/" if training else "prefixflow/scoring_"
+        metrics = self._metrics[mode]
+        metrics[prefix + "groups"].append(float(len(groups)))
+        metrics[prefix + "prefix_ratio"].append(prefix_tokens / max(prefix_tokens + suffix_tokens, 1))
+        metrics[prefix + "tokens_saved"].append(float(sum(len(g.prefix_ids) * (len(g.rows) - 1) for g in groups)))
+        metrics[prefix + "flops_saved"].append(1.0 - shared / full)
+        metrics[prefix + ("phase_ab_s" if training else "s")].append(seconds)
+
+
+_WHOLE_GROUPS = ("keep groups whole per process: make per_device_train_batch_size * steps_per_generation a multiple "
+                 "of num_generations.")
+
+
+def _pack(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.cat([row[:n] for row, n in zip(labels, lengths)])[None]
+
+
+def _unpack(values: torch.Tensor | None, lengths: list[int], width: int) -> torch.Tensor | None:
+    if values is None:
+        return None
+    rows = values[0].split(lengths)
+    return torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+
+
+def _batch_routes(inputs: dict) -> torch.Tensor | str | None:
+    """A microbatch's recorded routes: `routing.UNRECORDED` if it was generated without recording, None if absent."""
+    if routing.BATCH_KEY in inputs and inputs[routing.BATCH_KEY] is None:
+        return routing.UNRECORDED
+    return inputs.get(routing.BATCH_KEY)
+
+
+def _take(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`tensor[rows]` without waiting for the device: a view of consecutive rows, else an index sent from pinned
+    memory (a list index would be copied synchronously)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return tensor[rows[0] : rows[0] + len(rows)]
+    index = torch.tensor(rows, pin_memory=tensor.is_cuda).to(tensor.device, non_blocking=True)
+    return tensor.index_select(0, index)
+
+
+def _in_order(values: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """`values`, whose rows are the batch rows `order` (a permutation), back in batch order."""
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return _take(values, inverse)
+
+
+def _padded_wave(group, ids: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor | None):
+    """`group.padded_wave(ids, mask, routes)` for a mask the host has checked right-padded (`index_batch`): the
+    device-side check, one synchronisation per wave, is skipped."""
+    wave = group.padded_wave(ids, None, routes)
+    wave.segment_ids = padded_segments(mask)
+    return wave
