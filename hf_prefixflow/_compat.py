@@ -266,3 +266,31 @@ def logits_lm_head(model: torch.nn.Module, temperature: float = 1.0, outputs: tu
                                  label_mask=mask, aux_loss=getattr(out, "aux_loss", None))
 
     model.forward = types.MethodType(forward, model)
+
+
+def fused_head_on_hidden(fused_forward, hidden: torch.Tensor, shift_labels: torch.Tensor):
+    """TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, 1.15 on) applied to hidden states computed
+    elsewhere (a prefix group's Phase A output): its forward function runs with a stand-in whose backbone returns
+    `hidden`, so the temperature, softcapping, logit scale and output fields are the model's own.
+
+    Args:
+        fused_forward: the model's `forward` as TRL's `add_fused_lm_head` left it (a bound method).
+        hidden: `[B, T, d]` last hidden states (after the final norm).
+        shift_labels: `[B, T]` the token each position predicts, -100 where none is scored.
+
+    Returns:
+        TRL's `FusedCausalLMOutput`, per-token fields `[B, T]`.
+    """
+    owner = fused_forward.__self__
+    output = types.SimpleNamespace(last_hidden_state=hidden)
+
+    class StandIn:  # what `_fused_forward` reads of `self`: the backbone (either attribute name) and the head
+        def base_model(self, *args, **kwargs):
+            return output
+
+        model = base_model
+
+        def get_output_embeddings(self):
+            return owner.get_output_embeddings()
+
+    return fused_forward.__func__(StandIn(), shift_labels=shift_labels, fused_lm_head=True)

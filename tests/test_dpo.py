@@ -1,0 +1,290 @@
+"""PrefixFlowDPOTrainer against TRL's DPOTrainer: same float64 model, seed, data and config.
+
+TRL's fused LM head computes its log-softmax in float32 whatever the model's dtype, so the two trainers agree to
+float32 rounding (about 1e-7 relative), well inside the suite's 1e-5; the broken variants miss by orders more.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl import DPOConfig, DPOTrainer
+
+import grpo_setup as setup
+from equivalence import assert_rel_close
+from hf_prefixflow import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
+from hf_prefixflow.scheduler import PrefixGroup
+from hf_prefixflow.trainers import dpo as pf_dpo
+
+# Every loss TRL 1.16's DPOTrainer offers, with the settings each needs.
+LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
+LOSS_SETTINGS = {"exo_pair": {"label_smoothing": 1e-3}, "robust": {"label_smoothing": 0.1},
+                 "aot": {"label_smoothing": 0.1}, "aot_unpaired": {"label_smoothing": 0.1}}
+# Variants on top of a loss: f-divergences, LD-DPO's ld_alpha, WPO weighting, weighted combinations.
+VARIANTS = {
+    "forward_kl": {"loss_types": ["sigmoid"], "f_divergence_type": "forward_kl"},
+    "js_divergence": {"loss_types": ["hinge"], "f_divergence_type": "js_divergence"},
+    "alpha_divergence": {"loss_types": ["ipo"], "f_divergence_type": "alpha_divergence",
+                         "f_alpha_divergence_coef": 0.5},
+    "ld_alpha": {"loss_types": ["sigmoid"], "ld_alpha": 0.3},
+    "weighting": {"loss_types": ["sigmoid"], "use_weighting": True},
+    "combined": {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+}
+
+
+def make_dataset(pairs: int = 8, seed: int = 0, prompt_words=(14, 30), bos_only: bool = True) -> Dataset:
+    """Text pairs of uneven lengths; some open their two responses identically (the common prefix reaches into the
+    responses), and the first, if `bos_only`, shares nothing but the BOS token."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.choice(setup.WORDS) for _ in range(n)]  # noqa: E731
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(pairs):
+        opening = words(rng.choice([0, 0, 2, 4]))
+        chosen, rejected = opening + words(rng.randint(1, 7)), opening + words(rng.randint(1, 7))
+        if chosen == rejected:
+            rejected = rejected + ["w0"]
+        prompt = "<bos>" if bos_only and i == 0 else " ".join(["<bos>"] + words(rng.randint(*prompt_words)))
+        if bos_only and i == 0:
+            chosen[0], rejected[0] = "w1", "w2"
+        rows["prompt"].append(prompt)
+        rows["chosen"].append(" " + " ".join(chosen + ["<eos>"]))
+        rows["rejected"].append(" " + " ".join(rejected + ["<eos>"]))
+    return Dataset.from_dict(rows)
+
+
+class GradientRecorder(TrainerCallback):
+    """Every parameter's gradient just before each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+
+def options(tmp_path, **overrides) -> dict:
+    # SGD and no clipping: the updates are linear in the gradients, so their tolerance carries over to the weights.
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none", use_cpu=True,
+                save_strategy="no", learning_rate=0.5, optim="sgd", seed=3, bf16=False, max_grad_norm=0.0,
+                logging_steps=1, gradient_checkpointing=False, beta=0.5, disable_tqdm=True)
+    base.update(overrides)
+    return base
+
+
+def build(trainer_cls, base, tmp_path, peft_config=None, ref=True, dataset=None, prefixflow=None, **overrides):
+    if trainer_cls is PrefixFlowDPOTrainer:
+        args = PrefixFlowDPOConfig(**options(tmp_path / "pf", **overrides),
+                                   **{"prefixflow_min_prefix_tokens": 2, **(prefixflow or {})})
+    else:
+        args = DPOConfig(**options(tmp_path / "stock", **overrides))
+    ref_model = None if peft_config is not None else copy.deepcopy(base if ref is True else ref)
+    return trainer_cls(model=copy.deepcopy(base), ref_model=ref_model, args=args,
+                       train_dataset=dataset if dataset is not None else make_dataset(),
+                       processing_class=setup.make_tokenizer(), peft_config=peft_config)
+
+
+def train(trainer):
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return recorder.steps, start, weights, trainer.state.log_history
+
+
+def assert_aligned(stock, prefixflow, rtol=1e-5):
+    """Loss at every step, every gradient before every optimizer step, and every weight's total update."""
+    (stock_grads, start, stock_weights, stock_logs), (pf_grads, _, pf_weights, pf_logs) = stock, prefixflow
+    assert len(stock_grads) == len(pf_grads) > 0
+    for step, (expected, actual) in enumerate(zip(stock_grads, pf_grads)):
+        assert expected.keys() == actual.keys() and expected
+        for name in expected:
+            assert_rel_close(actual[name], expected[name], f"step {step} grad {name}", rtol)
+    for name in stock_weights:
+        assert_rel_close(pf_weights[name] - start[name], stock_weights[name] - start[name], f"update {name}", rtol)
+    losses = [(e["loss"], a["loss"]) for e, a in zip(stock_logs, pf_logs) if "loss" in e]
+    assert losses
+    for step, (expected, actual) in enumerate(losses):
+        assert_rel_close(actual, expected, f"step {step} loss", rtol)
+
+
+def metric(logs, key) -> float:
+    return sum(log.get(key, 0.0) for log in logs)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return setup.make_model(dtype=torch.float64)
+
+
+# -- training runs against the stock trainer ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["sigmoid", "ipo", "aot", "accumulation"])
+def test_training_matches_stock(one_thread, base, tmp_path, case):
+    """Loss, gradients and weights over optimizer steps; uneven lengths, identical response openings, a pair that
+    shares only BOS (plain path under the default threshold); 'accumulation': two microbatches per step."""
+    overrides = {"loss_type": [case]} if case in ("ipo", "aot") else {}
+    overrides |= LOSS_SETTINGS.get(case, {})
+    if case == "accumulation":
+        overrides |= {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    stock = train(build(DPOTrainer, base, tmp_path, **overrides))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, **overrides))
+    assert_aligned(stock, pf)
+    logs = pf[3]
+    assert metric(logs, "prefixflow/groups") > 0 and metric(logs, "prefixflow/scoring_groups") > 0
+    assert metric(logs, "prefixflow/fallback_rows") > 0  # the BOS-only pair, below prefixflow_min_prefix_tokens=2
+
+
+def test_lora_reference_through_the_disabled_adapter(one_thread, base, tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+    stock = train(build(DPOTrainer, base, tmp_path, peft_config=lora, learning_rate=2.0, max_steps=3))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, peft_config=lora, learning_rate=2.0, max_steps=3))
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/scoring_groups") > 0  # the reference pass shared too, adapter disabled
+
+
+def test_precomputed_reference_log_probs(one_thread, base, tmp_path):
+    """`precompute_ref_log_probs`: the reference pass runs inside DPOTrainer.__init__, through no-grad groups."""
+    stock_trainer = build(DPOTrainer, base, tmp_path, precompute_ref_log_probs=True)
+    pf_trainer = build(PrefixFlowDPOTrainer, base, tmp_path, precompute_ref_log_probs=True)
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        assert_rel_close(torch.tensor(pf_trainer.train_dataset[column]),
+                         torch.tensor(stock_trainer.train_dataset[column]), column)
+    assert pf_trainer._metrics["train"]["prefixflow/scoring_groups"]
+    assert_aligned(train(stock_trainer), train(pf_trainer))
+
+
+def test_bos_only_pair_stays_exact_when_shared(one_thread, base, tmp_path):
+    """With no threshold the BOS-only pair runs as a group of one prefix token (nothing cached): still exact."""
+    dataset = make_dataset(pairs=4)
+    stock = train(build(DPOTrainer, base, tmp_path, dataset=dataset, max_steps=1))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, dataset=dataset, max_steps=1,
+                     prefixflow={"prefixflow_min_prefix_tokens": 1, "prefixflow_min_speedup": 0.0}))
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/fallback_rows") == 0
+
+
+# -- every loss: one microbatch's loss and gradients, on trainers built once ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scoring_pair(base, tmp_path_factory):
+    """A stock and a PrefixFlow trainer on the same batch, the reference model perturbed so the log-ratios are not
+    zero; WPO weighting asks TRL's head for the extra field it reads."""
+    tmp_path = tmp_path_factory.mktemp("dpo_losses")
+    reference = copy.deepcopy(base)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(5), dtype=param.dtype))
+    trainers = []
+    for cls in (DPOTrainer, PrefixFlowDPOTrainer):
+        trainers.append(build(cls, base, tmp_path, ref=reference, use_weighting=True))
+    batch = next(iter(trainers[0].get_train_dataloader()))
+    return trainers, batch
+
+
+def loss_and_gradients(trainer, batch, settings: dict):
+    defaults = {"loss_types": ["sigmoid"], "loss_weights": None, "f_divergence_type": "reverse_kl",
+                "f_alpha_divergence_coef": 1.0, "ld_alpha": None, "use_weighting": False, "label_smoothing": 0.0}
+    for name, value in {**defaults, **settings}.items():
+        setattr(trainer, name, value)
+    trainer.loss_weights = trainer.loss_weights or [1.0] * len(trainer.loss_types)
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    if isinstance(trainer, PrefixFlowDPOTrainer):
+        trainer._end_session()  # Phase C, as training_step runs it after the backward
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+CASES = {name: {"loss_types": [name], **LOSS_SETTINGS.get(name, {})} for name in LOSS_TYPES} | VARIANTS
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_loss_type_matches_stock(one_thread, scoring_pair, case):
+    (stock, pf), batch = scoring_pair
+    expected_loss, expected = loss_and_gradients(stock, batch, CASES[case])
+    pf._metrics["train"].clear()
+    loss, actual = loss_and_gradients(pf, batch, CASES[case])
+    assert pf._metrics["train"]["prefixflow/groups"] and pf._metrics["train"]["prefixflow/scoring_groups"]
+    assert_rel_close(loss, expected_loss, f"{case} loss")
+    assert expected.keys() == actual.keys() and expected
+    for name in expected:
+        assert_rel_close(actual[name], expected[name], f"{case} grad {name}")
+
+
+# -- the pairs -----------------------------------------------------------------------------------------------------
+
+
+def test_common_prefix_is_found_per_pair():
+    assert pf_dpo.common_prefix([5, 6, 7, 8], [5, 6, 9]) == 2
+    assert pf_dpo.common_prefix([5, 6, 7], [5, 6, 7, 8]) == 2  # each row keeps one suffix token
+    assert pf_dpo.common_prefix([5, 6], [7, 6]) == 0
+    scorer = pf_dpo.PairScorer(pf_dpo.ModelShape(2, 32, 32, 10_000, 97), 1, 1.0, 0, None, None)
+    ids = torch.tensor([[2, 3, 4, 5, 6, 0], [2, 9, 9, 0, 0, 0], [2, 3, 4, 5, 7, 8], [3, 9, 0, 0, 0, 0]])
+    shared, plain = scorer.pairs(ids, [5, 3, 6, 2], pf_dpo.pair_rows(4))
+    assert [(p.rows, p.shared) for p in shared] == [((0, 2), 4)] and plain == [1, 3]
+
+
+def test_identical_response_openings_are_shared(one_thread, base, tmp_path):
+    """The common prefix reaches past the prompt into identical response openings; their tokens are scored from
+    Phase A's output."""
+    trainer = build(PrefixFlowDPOTrainer, base, tmp_path)
+    batch = next(iter(trainer.get_train_dataloader()))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    shared, _ = trainer._scorer.pairs(batch["input_ids"], lengths, pf_dpo.pair_rows(len(lengths)))
+    prompt = [int(m.sum()) - int(c.sum()) for m, c in zip(batch["attention_mask"], batch["completion_mask"])]
+    assert any(p.shared > prompt[p.rows[0]] for p in shared)
+
+
+def test_pairs_below_the_flop_bound_take_the_plain_path(one_thread, base, tmp_path):
+    stock = train(build(DPOTrainer, base, tmp_path, max_steps=1))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1, prefixflow={"prefixflow_min_speedup": 99.0}))
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/groups") == 0 and metric(pf[3], "prefixflow/fallback_rows") > 0
+
+
+# -- broken variants fail the same check ---------------------------------------------------------------------------
+
+
+def test_swapped_rows_in_the_shared_run_are_caught(one_thread, base, tmp_path, monkeypatch):
+    fields = pf_dpo.PairScorer._pair_fields
+
+    def swapped(self, group, runner, pair, *args):
+        out = fields(self, group, runner, pair, *args)
+        chosen, rejected = pair.rows
+        return {chosen: out[rejected], rejected: out[chosen]}
+
+    stock = train(build(DPOTrainer, base, tmp_path, max_steps=1))
+    monkeypatch.setattr(pf_dpo.PairScorer, "_pair_fields", swapped)
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
+    with pytest.raises(AssertionError, match="grad"):
+        assert_aligned(stock, pf)
+
+
+def test_reference_pass_without_the_prefix_is_caught(one_thread, base, tmp_path, monkeypatch):
+    """A reference pass whose waves do not read the common prefix (only its last token, at the right position)."""
+
+    def without_prefix(self, session, model, prefix_ids):
+        if torch.is_grad_enabled():
+            return opened(self, session, model, prefix_ids)
+        runner = pf_dpo._PrefixOutput()
+        group = PrefixGroup(model, prefix_ids[-1:], position_offset=len(prefix_ids) - 1, runner=runner)
+        session.add(group)
+        return group, runner
+
+    opened = pf_dpo.PairScorer._open
+    stock = train(build(DPOTrainer, base, tmp_path, max_steps=1))
+    monkeypatch.setattr(pf_dpo.PairScorer, "_open", without_prefix)
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
+    with pytest.raises(AssertionError, match="grad"):
+        assert_aligned(stock, pf)
