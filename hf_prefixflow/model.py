@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 import warnings
 
 import torch
@@ -15,7 +16,10 @@ from . import architecture, attention, moe
 from .errors import PrefixFlowError
 from .config import PrefixFlowConfig
 
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE types whose frequencies transformers recomputes from the batch's longest position
+# (`modeling_rope_utils.dynamic_rope_update`: any type naming "dynamic", and "longrope"); every other type's
+# frequencies are fixed at construction (`proportional`, `llama3`, `yarn`, a family's own `ntk_alpha` ...).
+LENGTH_DEPENDENT_ROPE = re.compile(r"dynamic|^longrope$")
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
@@ -60,11 +64,12 @@ def _check_rope(model: PreTrainedModel) -> None:
         rope_type = getattr(module, "rope_type", None)
         types = rope_type.values() if isinstance(rope_type, dict) else [rope_type] if rope_type else []
         for kind in types:
-            if kind not in STATIC_ROPE_TYPES:
+            if isinstance(kind, str) and LENGTH_DEPENDENT_ROPE.search(kind):
                 raise PrefixFlowError(
                     f"{name} uses rope_type={kind!r}, whose frequencies depend on the longest position in the batch, "
                     "so a prefix rotated alone differs from the same prefix inside [P || S]. Use a static RoPE "
-                    f"({', '.join(STATIC_ROPE_TYPES)}), e.g. rope 'linear' or 'yarn' with the same factor."
+                    "(one whose frequencies are fixed: default, linear, llama3, yarn, proportional ...), e.g. rope "
+                    "'linear' or 'yarn' with the same factor."
                 )
 
 
