@@ -10,15 +10,30 @@ from .waves import AutoWaves
 __version__ = "0.1.0"
 
 
+# What the trainers import beyond the core: the `trl` extra (setup.py).
+_TRL_EXTRA = ("trl", "accelerate", "peft", "datasets")
+
+
 _PAIR_TRAINERS = {"PrefixFlowDPOConfig": "dpo", "PrefixFlowDPOTrainer": "dpo"}
 
 
 def __getattr__(name: str):
     # The trainers import TRL (the `trl` extra), which the core does not need: load them on first use.
     if name in ("PrefixFlowGRPOTrainer", "PrefixFlowGRPOConfig"):
-        from .trainers import grpo
-
+        try:
+            from .trainers import grpo
+        except ModuleNotFoundError as error:
+            missing = (error.name or "").split(".")[0]
+            if missing not in _TRL_EXTRA:
+                raise
+            raise ImportError(f"hf_prefixflow.{name} needs TRL and accelerate, the `trl` extra ({missing!r} is not "
+                              'installed): pip install "hf-prefixflow[trl]" (from a clone: pip install ".[trl]")'
+                              ) from error
         return getattr(grpo, name)
+    if name in ("PrefixFlowRLOOTrainer", "PrefixFlowRLOOConfig"):  # RLOO's groups, the same machinery
+        from .trainers import rloo
+
+        return getattr(rloo, name)
     if name in _PAIR_TRAINERS:  # preference pairs sharing their common prefix (`trainers/dpo.py`, `reward.py`)
         import importlib
 
@@ -37,6 +52,8 @@ __all__ = [
     "PrefixFlowError",
     "PrefixFlowGRPOConfig",
     "PrefixFlowGRPOTrainer",
+    "PrefixFlowRLOOConfig",
+    "PrefixFlowRLOOTrainer",
     "PrefixGroup",
     "apply_prefixflow",
     "plan",

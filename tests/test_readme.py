@@ -1,10 +1,18 @@
 """CI runs exactly the README's install, example and test commands; README and docs link only to existing files; the
-README's memory table is rendered from the results."""
+README's memory table is rendered from the results; the README's code runs as written (on a CPU, no download) and its
+low-level snippet trains exactly; the trainers' import names the `trl` extra when it is missing."""
 
 import json
+import os
 import pathlib
 import re
+import subprocess
 import sys
+
+import pytest
+import torch
+
+from equivalence import assert_same_gradients, gradients
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "results" / "README.md",
@@ -22,7 +30,8 @@ def test_ci_runs_the_readme_commands():
 
 
 def test_the_readme_is_a_front_door():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    # Room for two snippets that run as written; the rest belongs in docs/.
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 175
 
 
 def test_links_point_to_files_that_exist():
@@ -46,3 +55,109 @@ def test_the_memory_table_reads_from_the_results():
         sys.path.pop(0)
     rows = json.loads((ROOT / "benchmarks" / "results" / "memory_like_for_like.json").read_text())["rows"]
     assert memory_gather.readme_table(rows) in (ROOT / "README.md").read_text()
+
+
+def readme_snippet(section: str) -> str:
+    """The first Python block under the README's `## section` heading."""
+    readme = (ROOT / "README.md").read_text()
+    return re.search(rf"^## {re.escape(section)}\n.*?```python\n(.*?)```", readme, re.S | re.M).group(1)
+
+
+def test_the_swap_snippet_trains_on_a_cpu(tmp_path, monkeypatch):
+    """The README's trainer snippet as written, from a folder that holds the repository's examples/ (as the root
+    does): it builds its offline model and data, and PrefixFlowGRPOTrainer trains shared groups."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the snippet prepends examples/
+    namespace = {}
+    exec(compile(readme_snippet("Swap one class"), "README.md: Swap one class", "exec"), namespace)
+    state = namespace["trainer"].state
+    assert state.global_step == 2
+    metrics = state.log_history[-1]  # TRL's logging_steps exceed the run: the end-of-training averages
+    assert metrics["prefixflow/groups"] >= 1 and "prefixflow/fallback_rows" not in metrics
+
+
+def full_sequence_gradients(model, prompt_ids, completion_ids, completion_mask, masked: bool) -> dict:
+    """The reference: each `[P || S_i]` as its own right-padded row through the same model, the same loss."""
+    model.zero_grad()
+    n, p = completion_ids.shape[0], prompt_ids.shape[0]
+    ids = torch.cat([prompt_ids.expand(n, -1), completion_ids], dim=1)  # [N, P + S]
+    mask = torch.cat([torch.ones(n, p, dtype=completion_mask.dtype), completion_mask], dim=1)
+    logits = model(ids, attention_mask=mask).logits[:, p - 1:-1]  # position p - 1 + t predicts completion token t
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), completion_ids, reduction="none")
+    ((nll * completion_mask if masked else nll).sum() / completion_mask.sum()).backward()
+    return gradients(model)
+
+
+def run_low_level_snippet(code: str) -> dict:
+    """The README's low-level snippet in float64 (its tiny model is built under the default dtype)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        namespace = {}
+        exec(compile(code, "README.md: The low-level API", "exec"), namespace)
+    finally:
+        torch.set_default_dtype(default)
+    return namespace
+
+
+def test_the_low_level_snippet_equals_full_sequence_training():
+    namespace = run_low_level_snippet(readme_snippet("The low-level API"))
+    model = namespace["model"]
+    assert next(model.parameters()).dtype == torch.float64
+    got = gradients(model)
+    expected = full_sequence_gradients(model, namespace["prompt_ids"], namespace["completion_ids"],
+                                       namespace["completion_mask"], masked=True)
+    assert_same_gradients(got, expected)
+
+
+def test_a_loss_over_padded_positions_is_not_full_sequence_training():
+    """Broken variant: the same unmasked loss on both sides still differs (padded positions' logits in a wave are
+    not those of the full sequence), which is why the README's and docs' loss must leave padding out."""
+    code = readme_snippet("The low-level API")
+    masked_loss = "(nll * completion_mask[rows]).sum()"
+    assert masked_loss in code
+    namespace = run_low_level_snippet(code.replace(masked_loss, "nll.sum()"))
+    model = namespace["model"]
+    got = gradients(model)
+    expected = full_sequence_gradients(model, namespace["prompt_ids"], namespace["completion_ids"],
+                                       namespace["completion_mask"], masked=False)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_same_gradients(got, expected)
+
+
+def trainer_import_error(monkeypatch, missing: str) -> pytest.ExceptionInfo:
+    """`from hf_prefixflow import PrefixFlowGRPOTrainer` with `missing` made unimportable (None in sys.modules) and
+    the trainer modules unloaded, so the lazy import runs again."""
+    import hf_prefixflow.trainers.grpo  # noqa: F401  (loaded, so that monkeypatch puts it back afterwards)
+
+    for name in [name for name in sys.modules if name.startswith("hf_prefixflow.trainers")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)
+    with pytest.raises(ImportError) as caught:
+        from hf_prefixflow import PrefixFlowGRPOTrainer  # noqa: F401
+    return caught
+
+
+def test_the_trainers_name_the_trl_extra_when_trl_is_missing(monkeypatch):
+    caught = trainer_import_error(monkeypatch, "trl")
+    assert 'pip install "hf-prefixflow[trl]"' in str(caught.value) and "'trl'" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ModuleNotFoundError)
+
+
+def test_an_unrelated_missing_module_is_not_blamed_on_the_extra(monkeypatch):
+    caught = trainer_import_error(monkeypatch, "hf_prefixflow.trainers.routing")
+    assert caught.type is ModuleNotFoundError and "hf-prefixflow[trl]" not in str(caught.value)
+
+
+def test_the_trainers_name_the_trl_extra_when_accelerate_is_missing():
+    """The case users meet: accelerate absent from the start (transformers then never loads it), in a fresh
+    interpreter."""
+    code = ("import sys\nsys.modules['accelerate'] = None\nimport hf_prefixflow\n"
+            "try:\n    from hf_prefixflow import PrefixFlowGRPOTrainer\n"
+            "except ImportError as error:\n    print(type(error).__name__, error)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ImportError ") and "'accelerate'" in out.stdout
+    assert 'pip install "hf-prefixflow[trl]"' in out.stdout
