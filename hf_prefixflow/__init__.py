@@ -14,30 +14,32 @@ __version__ = "0.1.0"
 _TRL_EXTRA = ("trl", "accelerate", "peft", "datasets")
 
 
+def _trainer(module: str, name: str):
+    """`name` from `hf_prefixflow.trainers.<module>`; without the `trl` extra, an ImportError that names it."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f".trainers.{module}", __name__), name)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in _TRL_EXTRA:
+            raise
+        raise ImportError(f"hf_prefixflow.{name} needs TRL and accelerate, the `trl` extra ({missing!r} is not "
+                          'installed): pip install "hf-prefixflow[trl]" (from a clone: pip install ".[trl]")'
+                          ) from error
+
+
 _PAIR_TRAINERS = {"PrefixFlowDPOConfig": "dpo", "PrefixFlowDPOTrainer": "dpo"}
 
 
 def __getattr__(name: str):
     # The trainers import TRL (the `trl` extra), which the core does not need: load them on first use.
     if name in ("PrefixFlowGRPOTrainer", "PrefixFlowGRPOConfig"):
-        try:
-            from .trainers import grpo
-        except ModuleNotFoundError as error:
-            missing = (error.name or "").split(".")[0]
-            if missing not in _TRL_EXTRA:
-                raise
-            raise ImportError(f"hf_prefixflow.{name} needs TRL and accelerate, the `trl` extra ({missing!r} is not "
-                              'installed): pip install "hf-prefixflow[trl]" (from a clone: pip install ".[trl]")'
-                              ) from error
-        return getattr(grpo, name)
+        return _trainer("grpo", name)
     if name in ("PrefixFlowRLOOTrainer", "PrefixFlowRLOOConfig"):  # RLOO's groups, the same machinery
-        from .trainers import rloo
-
-        return getattr(rloo, name)
+        return _trainer("rloo", name)
     if name in _PAIR_TRAINERS:  # preference pairs sharing their common prefix (`trainers/dpo.py`, `reward.py`)
-        import importlib
-
-        return getattr(importlib.import_module(f".trainers.{_PAIR_TRAINERS[name]}", __name__), name)
+        return _trainer(_PAIR_TRAINERS[name], name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -126,21 +126,24 @@ def test_a_loss_over_padded_positions_is_not_full_sequence_training():
         assert_same_gradients(got, expected)
 
 
-def trainer_import_error(monkeypatch, missing: str) -> pytest.ExceptionInfo:
-    """`from hf_prefixflow import PrefixFlowGRPOTrainer` with `missing` made unimportable (None in sys.modules) and
-    the trainer modules unloaded, so the lazy import runs again."""
-    import hf_prefixflow.trainers.grpo  # noqa: F401  (loaded, so that monkeypatch puts it back afterwards)
+def trainer_import_error(monkeypatch, missing: str, trainer: str = "PrefixFlowGRPOTrainer") -> pytest.ExceptionInfo:
+    """`from hf_prefixflow import <trainer>` with `missing` made unimportable (None in sys.modules) and the trainer
+    modules unloaded, so the lazy import runs again."""
+    import hf_prefixflow.trainers.dpo  # noqa: F401  (loaded, so that monkeypatch puts them back afterwards)
+    import hf_prefixflow.trainers.grpo  # noqa: F401
 
     for name in [name for name in sys.modules if name.startswith("hf_prefixflow.trainers")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, missing, None)
     with pytest.raises(ImportError) as caught:
-        from hf_prefixflow import PrefixFlowGRPOTrainer  # noqa: F401
+        exec(f"from hf_prefixflow import {trainer}", {})
     return caught
 
 
-def test_the_trainers_name_the_trl_extra_when_trl_is_missing(monkeypatch):
-    caught = trainer_import_error(monkeypatch, "trl")
+@pytest.mark.parametrize("trainer", ["PrefixFlowGRPOTrainer", "PrefixFlowGRPOConfig", "PrefixFlowDPOTrainer"])
+def test_the_trainers_name_the_trl_extra_when_trl_is_missing(monkeypatch, trainer):
+    caught = trainer_import_error(monkeypatch, "trl", trainer)
+    assert str(caught.value).startswith(f"hf_prefixflow.{trainer} needs TRL")
     assert 'pip install "hf-prefixflow[trl]"' in str(caught.value) and "'trl'" in str(caught.value)
     assert isinstance(caught.value.__cause__, ModuleNotFoundError)
 
