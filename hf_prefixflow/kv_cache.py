@@ -250,6 +250,9 @@ class TrainingKVCache:
         self.grad_dtype = grad_dtype  # gK/gV sum in this dtype (promoted with theirs) across waves
         self.layers: dict[int, LayerKV] = {}
         self.router_logits: dict[int, CachedTensor] = {}  # MoE: prefix router logits, for the load-balancing loss
+        # Recurrent layers' state at the end of the prefix (`states.StateView`): (layer_idx, kind, state_idx) ->
+        # convolution window `[1, C, k]` or recurrent state `[1, ...]`.
+        self.states: dict[tuple[int, str, int], CachedTensor] = {}
         # The prefix forward's output, set under engines that gather weights in hooks on module outputs (ZeRO-3,
         # FSDP2): Phase C then also starts there with a zero gradient, so every module enters the backward through
         # its output, the last layer's included, as those hooks require (otherwise Phase C would reach it only at
@@ -281,6 +284,17 @@ class TrainingKVCache:
         """
         if layer_idx not in self.router_logits:
             self.router_logits[layer_idx] = CachedTensor(logits, self.grad_dtype)
+
+    def capture_state(self, key: tuple[int, str, int], live: torch.Tensor) -> None:
+        """Record a recurrent layer's live prefix state (idempotent, like `capture`). Its gradient sums in at least
+        float32 for a float32 state (`CachedTensor` promotes), and Phase C seeds it in the state's own dtype.
+
+        Args:
+            key: `(layer_idx, kind, state_idx)`, kind `"conv"` or `"recurrent"`.
+            live: `[1, ...]`, attached to the prefix graph.
+        """
+        if key not in self.states:
+            self.states[key] = CachedTensor(live, self.grad_dtype)
 
     def leaves(self, layer_idx: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's K/V leaves, read by the waves.
@@ -316,9 +330,9 @@ class TrainingKVCache:
         return key, value
 
     def tensors(self) -> list[CachedTensor]:
-        """Every cached tensor: each layer's K and V, then the router logits."""
+        """Every cached tensor: each layer's K and V, the router logits, then the recurrent states."""
         kv = [t for entry in self.layers.values() for t in (entry.key, entry.value)]
-        return kv + list(self.router_logits.values())
+        return kv + list(self.router_logits.values()) + list(self.states.values())
 
     def needs_gradients(self) -> bool:
         """Whether any cached K/V leads back to a trainable parameter."""
@@ -338,6 +352,7 @@ class TrainingKVCache:
             tensor.release()
         self.layers.clear()
         self.router_logits.clear()
+        self.states.clear()
         self.anchor = None
         self._streamed = []
 

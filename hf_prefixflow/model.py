@@ -12,7 +12,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from . import _compat as compat
-from . import architecture, attention, moe
+from . import architecture, attention, moe, states
 from .errors import PrefixFlowError
 from .config import PrefixFlowConfig
 
@@ -267,6 +267,7 @@ def enable(model: torch.nn.Module) -> PreTrainedModel:
                 "route attention through transformers' AttentionInterface. Train this model with the plain trainer."
             )
     moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
+    states.enable_states(inner)  # recurrent mixers read the group's prefix state
     from . import multimodal
 
     if multimodal.is_multimodal(inner):

@@ -30,6 +30,13 @@ from .model import (check_checkpointing, checkpointing_suspended, config_of, dec
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
 from .recompute import AttentionReplay, recomputed_layers
+from .states import has_states
+
+# Recurrent states are cached on the process that ran Phase A; the parallel rules move K/V only.
+STATES_ON_ONE_PROCESS = (
+    "this model's recurrent layers (convolution or state-space mixers) keep a prefix state that PrefixFlow caches on "
+    "the process running the group; sequence parallelism, pipelines and groups split across ranks move only K/V. "
+    "Train it with plain data parallelism (each group on one rank) or with the plain trainer.")
 
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, GroupSession]" = weakref.WeakKeyDictionary()
 
@@ -275,6 +282,8 @@ class PrefixGroup:
         whose leaves have no prefix graph behind them here, so closing this group runs no Phase C."""
         if self.state != "new":
             raise PrefixFlowError("a prefix group is opened once; open a new one for the next prompt.")
+        if has_states(self._inner):
+            raise PrefixFlowError(STATES_ON_ONE_PROCESS)
         self.state, self.trains, self.cache = "open", torch.is_grad_enabled(), cache
 
     # -- Phase B ---------------------------------------------------------------------------------------------
@@ -380,6 +389,11 @@ class PrefixGroup:
                 wrong device; routes as in `padded_wave`; and see `run_wave`.
         """
         self._check_wave_inputs(suffixes)
+        if has_states(self._inner):
+            raise PrefixFlowError(
+                "packed waves put several completions end to end in one row, and this model's recurrent layers "
+                "(convolution or state-space mixers) would carry one completion's state into the next. Run padded "
+                "waves (group(suffix_ids, attention_mask=...); the trainer's prefixflow_layout='padded').")
         wave = packed_wave(self.prefix_ids[:, -1:], suffixes, self.cache.prefix_length, self.position_offset)
         per_suffix = self._suffix_routes(routes, len(suffixes))
         if per_suffix is not None:

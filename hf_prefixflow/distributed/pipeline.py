@@ -34,7 +34,8 @@ from ..attention import PASS_KWARG, PrefixPass
 from ..errors import PrefixFlowError
 from ..layouts import right_padded
 from ..model import decoder_of, unwrap
-from ..scheduler import GroupRunner, GroupSession, PrefixGroup
+from ..scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
+from ..states import has_states
 from .collectives import all_gather, refuse_offload_kv
 
 # Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,
@@ -150,6 +151,8 @@ class StageGroup(PrefixGroup):
     """A prefix group on one pipeline stage: its own layers' K/V; hidden states in from the stage before it."""
 
     def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor):
+        if has_states(unwrap(model)):
+            raise PrefixFlowError(STATES_ON_ONE_PROCESS)
         self.stage_index, self.num_stages = stage_of(model)
         super().__init__(model, prefix_ids, runner=StageRunner())
         self.incoming: torch.Tensor | None = None  # the hidden states the next forward starts from (later stages)

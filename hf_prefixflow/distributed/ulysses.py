@@ -34,7 +34,8 @@ from ..kv_cache import TrainingKVCache
 from ..layouts import PADDING, Wave
 from ..model import unwrap
 from ..moe import routers
-from ..scheduler import GroupRunner, GroupSession, PrefixGroup
+from ..scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
+from ..states import has_states
 from .collectives import refuse_offload_kv
 from .data_parallel import reduce_trainable_gradients
 
@@ -205,6 +206,8 @@ class UlyssesGroup(PrefixGroup):
     def __init__(self, model: torch.nn.Module, prefix_ids: torch.Tensor, sequence_parallel: SequenceParallel,
                  position_offset: int = 0):
         check_model(model, sequence_parallel.size)
+        if has_states(unwrap(model)):
+            raise PrefixFlowError(STATES_ON_ONE_PROCESS)
         super().__init__(model, prefix_ids, position_offset, runner=UlyssesRunner(sequence_parallel))
         self.sp = sequence_parallel
         cached = (self.prefix_ids.shape[1] - 1) // self.sp.size * self.sp.size
