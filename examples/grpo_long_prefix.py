@@ -166,11 +166,19 @@ def summarize(results: dict[str, list[dict]], out: pathlib.Path) -> None:
             print(f"FLOP ratio of the shared groups (the bound for a GPU-bound step): "
                   f"{1 / (1 - statistics.mean(saved)):.2f}x")
         stock, prefixflow = results["stock"], results["prefixflow"]
-        gaps = [abs(s["loss"] - p["loss"]) for s, p in zip(stock, prefixflow)]
-        agree = all(g <= 1e-4 + 1e-3 * abs(s["loss"]) for g, s in zip(gaps, stock))
         same_rewards = all(s["reward"] == p["reward"] for s, p in zip(stock, prefixflow))
-        print(f"losses {'agree' if agree else 'DIFFER'}: largest difference over {len(gaps)} steps {max(gaps):.2e}; "
-              f"rewards {'identical' if same_rewards else 'differ'} (curves.png: stock solid, prefixflow dashed)")
+        rewards = f"rewards {'identical' if same_rewards else 'differ'} (curves.png: stock solid, prefixflow dashed)"
+        # A step whose every group has equal rewards has zero advantages: both losses are 0 whatever the gradients.
+        compared = [(s, p) for s, p in zip(stock, prefixflow) if s.get("frac_reward_zero_std", 0.0) < 1]
+        if not compared:
+            zero = all(s["reward"] == 0 for s in stock)
+            print(f"{'all rewards 0' if zero else 'every group rewarded its completions alike'}: losses not compared "
+                  f"(every advantage was 0); {rewards}")
+        else:
+            gaps = [abs(s["loss"] - p["loss"]) for s, p in compared]
+            agree = all(g <= 1e-4 + 1e-3 * abs(s["loss"]) for g, (s, _) in zip(gaps, compared))
+            print(f"losses {'agree' if agree else 'DIFFER'}: largest difference {max(gaps):.2e} over {len(gaps)} of "
+                  f"{len(stock)} steps (those where a group's rewards differed); {rewards}")
     (out / "logs.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "curves.png")
     print(f"curves: {out / 'curves.png'}")
