@@ -29,7 +29,8 @@ def _trainer(module: str, name: str):
                           ) from error
 
 
-_PAIR_TRAINERS = {"PrefixFlowDPOConfig": "dpo", "PrefixFlowDPOTrainer": "dpo"}
+_PAIR_TRAINERS = {"PrefixFlowDPOConfig": "dpo", "PrefixFlowDPOTrainer": "dpo", "PrefixFlowRewardConfig": "reward",
+                  "PrefixFlowRewardTrainer": "reward"}
 
 
 def __getattr__(name: str):
@@ -54,6 +55,8 @@ __all__ = [
     "PrefixFlowError",
     "PrefixFlowGRPOConfig",
     "PrefixFlowGRPOTrainer",
+    "PrefixFlowRewardConfig",
+    "PrefixFlowRewardTrainer",
     "PrefixFlowRLOOConfig",
     "PrefixFlowRLOOTrainer",
     "PrefixGroup",

@@ -294,3 +294,13 @@ def fused_head_on_hidden(fused_forward, hidden: torch.Tensor, shift_labels: torc
             return owner.get_output_embeddings()
 
     return fused_forward.__func__(StandIn(), shift_labels=shift_labels, fused_lm_head=True)
+
+
+def generic_sequence_classifier(model: torch.nn.Module) -> bool:
+    """Whether `model` is transformers' `GenericForSequenceClassification` (`transformers.modeling_layers`, not
+    exported at the top level): a `score` head applied to the decoder's last hidden state, read at each row's
+    rightmost token that is not the pad id."""
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    return isinstance(model, GenericForSequenceClassification) and isinstance(getattr(model, "score", None),
+                                                                               torch.nn.Module)

@@ -2,5 +2,7 @@
 
 from .dpo import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
 from .grpo import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from .reward import PrefixFlowRewardConfig, PrefixFlowRewardTrainer
 
-__all__ = ["PrefixFlowDPOConfig", "PrefixFlowDPOTrainer", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer"]
+__all__ = ["PrefixFlowDPOConfig", "PrefixFlowDPOTrainer", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer",
+           "PrefixFlowRewardConfig", "PrefixFlowRewardTrainer"]

@@ -284,18 +284,22 @@ class PairScorer:
         opening); `labels [c-1]` are tokens `1 .. c-1`. Empty when none is scored."""
         if runner.hidden is None or not bool((labels != -100).any()):
             return {}
-        live = runner.hidden
-        hidden = live
-        if training and live.requires_grad:
-            # Phase C owns the prefix graph: the loss's gradient stops at a leaf and joins the delayed backward.
-            leaf = next((l for o, l in self.hidden if o is live), None)
-            if leaf is None:
-                leaf = live.detach().requires_grad_(True)
-                self.hidden.append((live, leaf))
-            hidden = leaf
         with _inside_path():
-            out = _compat.fused_head_on_hidden(fused, hidden, labels[None])
+            out = _compat.fused_head_on_hidden(fused, self.prefix_hidden(runner, training), labels[None])
         return {name: getattr(out, name)[0] for name in FIELDS if getattr(out, name, None) is not None}
+
+    def prefix_hidden(self, runner: _PrefixOutput, training: bool) -> torch.Tensor:
+        """Phase A's last hidden state `[1, P-1, d]` to read outputs from. Training: a leaf detached from it, whose
+        gradient joins the delayed backward (Phase C owns the prefix graph; a second backward through it would
+        find it freed)."""
+        live = runner.hidden
+        if not (training and live.requires_grad):
+            return live
+        leaf = next((held for output, held in self.hidden if output is live), None)
+        if leaf is None:
+            leaf = live.detach().requires_grad_(True)
+            self.hidden.append((live, leaf))
+        return leaf
 
     # -- Phase C ---------------------------------------------------------------------------------------------
 
@@ -488,7 +492,9 @@ class PrefixFlowDPOTrainer(DPOTrainer):
 
 def _call_reason(kwargs: dict) -> str | None:
     """Why one preference forward takes the plain path as a whole, if so."""
-    extra = sorted(k for k, v in kwargs.items() if k not in PAIR_KWARGS and v is not None)
+    # PEFT passes `return_dict=True` (the output is a ModelOutput either way); None means unset.
+    extra = sorted(k for k, v in kwargs.items()
+                   if k not in PAIR_KWARGS and v is not None and not (k == "return_dict" and v is True))
     if extra:
         return f"forward arguments {extra}"
     ids, mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
