@@ -3,6 +3,7 @@
 from .dpo import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
 from .grpo import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from .reward import PrefixFlowRewardConfig, PrefixFlowRewardTrainer
+from .rloo import PrefixFlowRLOOConfig, PrefixFlowRLOOTrainer
 
 __all__ = ["PrefixFlowDPOConfig", "PrefixFlowDPOTrainer", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer",
-           "PrefixFlowRewardConfig", "PrefixFlowRewardTrainer"]
+           "PrefixFlowRewardConfig", "PrefixFlowRewardTrainer", "PrefixFlowRLOOConfig", "PrefixFlowRLOOTrainer"]
