@@ -175,6 +175,7 @@ def _shrink_text(text: PretrainedConfig) -> None:
     if isinstance(heads, int) and _has(text, "num_key_value_heads"):
         kv_heads = kv_heads if isinstance(kv_heads, int) else heads
         _set(text, "num_key_value_heads", 1 if kv_heads == 1 else 4 if kv_heads >= heads else 2)
+    _scale_head_dims(text, before)
     _shrink_per_layer_overrides(text, before)
     _fit_rope_sections(text)
     layers = _get(text, "num_hidden_layers")
@@ -185,8 +186,13 @@ def _shrink_text(text: PretrainedConfig) -> None:
         if isinstance(shared, int) and shared > 0:  # the last layers reuse earlier layers' K/V: keep both kinds
             keep = min(layers, 2 * keep)
             text.num_kv_shared_layers = keep // 2
+        kept = list(range(keep)) if isinstance(shared, int) and shared > 0 else _kept_layers(kinds, keep)
+        keep = len(kept)
         _split_layer_groups(text, layers, keep)
-        _truncate_per_layer_lists(text, layers, keep)
+        if kept == list(range(keep)):
+            _truncate_per_layer_lists(text, layers, keep)
+        else:
+            _select_layers(text, layers, kept)
         text.num_hidden_layers = keep
     for name in ("sliding_window", "attention_chunk_size"):
         if isinstance(_get(text, name), int):
@@ -281,6 +287,61 @@ def _covering(kinds: list) -> int:
         if seen == wanted:
             return index + 1
     return 0
+
+
+# Per-head sizes whose equalities and sums a family's shapes rely on: MLA's query/key head is `qk_nope_head_dim +
+# qk_rope_head_dim` wide and its rotary part `head_dim`; sdpa takes its grouped-query path only where the value head
+# is as wide as the key head (`v_head_dim == qk_head_dim`); Gemma 4's global layers have heads of their own width.
+_HEAD_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "global_head_dim")
+
+
+def _scale_head_dims(text: PretrainedConfig, before: dict) -> None:
+    """The config's per-head sizes divided by one factor, the smallest becoming `_SIZES["head_dim"]` (8): equal
+    sizes stay equal and sums stay sums. Sizes without such a factor keep `_SIZES`' fixed values."""
+    sizes = {name: before[name] for name in _HEAD_DIMS
+             if isinstance(before.get(name), int) and not isinstance(before[name], bool) and before[name] > 0}
+    if not sizes:
+        return
+    unit, smallest = _SIZES["head_dim"], min(sizes.values())
+    if any(value * unit % smallest for value in sizes.values()) or max(sizes.values()) * unit > 8 * unit * smallest:
+        return
+    for name, value in sizes.items():
+        _set(text, name, value * unit // smallest)
+
+
+def _kept_layers(kinds: list, keep: int) -> list[int]:
+    """The indices of the `keep` layers a tiny copy keeps: the first `keep`, unless they miss a kind `kinds` holds
+    (Qwen2's sliding layers start at `max_window_layers`), then the first layer of each kind and the first of the
+    others, in order."""
+    if _covering(kinds) <= keep:
+        return list(range(keep))
+    firsts = {kinds.index(kind) for kind in dict.fromkeys(kinds)}
+    others = [index for index in range(len(kinds)) if index not in firsts]
+    return sorted(firsts | set(others[:max(0, keep - len(firsts))]))[:max(keep, len(firsts))]
+
+
+# Config lists of layer indices (not per-layer values): renumbered when a tiny copy keeps layers out of order.
+_LAYER_INDEX_LISTS = re.compile(r"(_layers|_idxs|_indices|_layer_ids)$")
+
+
+def _select_layers(config: PretrainedConfig, layers: int, kept: list[int]) -> None:
+    """Keep the layers `kept` (indices of the full config, in order): per-layer lists and overrides take their
+    entries, lists of layer indices and `max_window_layers` (the first sliding layer) are renumbered."""
+    number = {old: new for new, old in enumerate(kept)}
+    for name, value in list(vars(config).items()):
+        if name.startswith("_") or not isinstance(value, (list, tuple)):
+            continue
+        if len(value) == layers:
+            setattr(config, name, type(value)(value[i] for i in kept))
+        elif _LAYER_INDEX_LISTS.search(name) and all(isinstance(i, int) and 0 <= i < layers for i in value):
+            setattr(config, name, type(value)(number[i] for i in value if i in number))
+    if isinstance(vars(config).get("max_window_layers"), int):
+        config.max_window_layers = sum(index < config.max_window_layers for index in kept)
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is not None:
+        overrides = {number[i]: value for i, value in spec.per_layer_overrides.items() if i in number}
+        spec.per_layer_overrides.clear()
+        spec.per_layer_overrides.update(overrides)
 
 
 def _truncate_per_layer_lists(config: PretrainedConfig, layers: int, keep: int) -> None:
@@ -522,12 +583,19 @@ def _takes_kwargs(module: torch.nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
+# The probe's group: a prompt longer than the windows and chunks `tiny_config` sets (4), and four completions in two
+# waves of right-padded rows.
+_PROBE_PREFIX, _PROBE_SUFFIXES, _PROBE_WAVES = 13, (6, 3, 5, 2), ((0, 1), (2, 3))
+
+
 def _compare(reference: PreTrainedModel, candidate: PreTrainedModel, owner: str) -> None:
     from .scheduler import prefix_group
 
     gen = torch.Generator().manual_seed(1)
-    prefix = torch.randint(3, VOCAB, (7,), generator=gen)
-    suffixes = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (4, 2)]
+    # Longer than the tiny copy's windows and chunks (4): suffixes attend across chunk borders and past the window
+    # into the prefix; two waves of right-padded rows, so the prefix K/V gradients sum over waves.
+    prefix = torch.randint(3, VOCAB, (_PROBE_PREFIX,), generator=gen)
+    suffixes = [torch.randint(3, VOCAB, (n,), generator=gen) for n in _PROBE_SUFFIXES]
     weights = [torch.randn(len(s), generator=gen, dtype=torch.float64) for s in suffixes]
     reference.train()
     candidate.train()
@@ -537,15 +605,20 @@ def _compare(reference: PreTrainedModel, candidate: PreTrainedModel, owner: str)
         loss = _weighted_logp(logits, suffix, weight)
         loss.backward()
         ref_loss += loss.item()
-    ids = torch.zeros(2, 4, dtype=torch.long)
-    mask = torch.zeros(2, 4, dtype=torch.long)
-    for row, suffix in enumerate(suffixes):
-        ids[row, :len(suffix)], mask[row, :len(suffix)] = suffix, 1
+    loss = 0.0
     try:
         with prefix_group(candidate, prefix) as group:
-            logits = group(ids, attention_mask=mask).logits
-            loss = sum(_weighted_logp(logits[r, :len(s)], s, w) for r, (s, w) in enumerate(zip(suffixes, weights)))
-            loss.backward()
+            for rows in _PROBE_WAVES:
+                width = max(len(suffixes[i]) for i in rows)
+                ids = torch.zeros(len(rows), width, dtype=torch.long)
+                mask = torch.zeros(len(rows), width, dtype=torch.long)
+                for row, i in enumerate(rows):
+                    ids[row, :len(suffixes[i])], mask[row, :len(suffixes[i])] = suffixes[i], 1
+                logits = group(ids, attention_mask=mask).logits
+                wave = sum(_weighted_logp(logits[r, :len(suffixes[i])], suffixes[i], weights[i])
+                           for r, i in enumerate(rows))
+                wave.backward()
+                loss += wave.detach()
     except PrefixFlowError:
         raise
     except Exception as exc:  # noqa: BLE001 - the family fails inside a group: refuse rather than fail at step 1

@@ -63,3 +63,81 @@ def test_without_the_rope_check_dynamic_rope_trains_wrongly(monkeypatch):
                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     outcome, detail, _ = families.run_variant(transformers.LlamaForCausalLM, config)
     assert outcome == families.WRONG, detail
+
+
+# ---- the tiny copy keeps the config's shape relations ------------------------------------------------------------
+
+def test_the_tiny_copy_keeps_head_size_relations():
+    """MLA's head sizes shrink by one factor: a value head as wide as the query/key head (which decides sdpa's
+    grouped-query path) stays so, and the query/key head stays the sum of its parts."""
+    for v_head_dim in (128, 192):
+        config = transformers.DeepseekV3Config(num_key_value_heads=16, v_head_dim=v_head_dim)
+        tiny = architecture.tiny_config(config)
+        assert tiny.qk_head_dim == tiny.qk_nope_head_dim + tiny.qk_rope_head_dim
+        assert (tiny.v_head_dim == tiny.qk_head_dim) is (config.v_head_dim == config.qk_head_dim)
+        assert tiny.qk_rope_head_dim == tiny.head_dim  # DeepSeek's rotary part is `head_dim` wide
+        assert 1 < tiny.num_key_value_heads < tiny.num_attention_heads
+
+
+def _deepseek(kv_heads: int, v_head_dim: int) -> transformers.DeepseekV3Config:
+    return transformers.DeepseekV3Config(num_key_value_heads=kv_heads, v_head_dim=v_head_dim)
+
+
+def test_deepseek_v3_with_fewer_kv_heads_is_probed_like_the_model_runs():
+    """DeepSeek-V3's K/V carry one head per query head whatever `num_key_value_heads` says; that number only sets
+    the groups sdpa and eager repeat K/V by. With a value head as wide as the query/key head and no mask, sdpa takes
+    its grouped-query path and the model runs: so does its tiny copy (the probe used to draw a narrower value head and
+    fail to run it). Where the value head is narrower, the model itself fails under sdpa, and so does the copy."""
+    runs = _deepseek(16, 192)
+    model = architecture.build_tiny(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
+    model(input_ids=model.dummy_inputs["input_ids"][:1, :5] % 90 + 3)
+    result = architecture._run_probe(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
+    assert result.skipped is None
+
+
+# ---- the tiny copy keeps every layer kind; the probe's prompt reaches past windows and chunks --------------------
+
+def _qwen2_late_windows() -> transformers.Qwen2Config:
+    """Sliding windows from layer 28 of 32 on (`max_window_layers`): the first eight layers are all full."""
+    return transformers.Qwen2Config(num_hidden_layers=32, use_sliding_window=True, max_window_layers=28,
+                                    sliding_window=4096)
+
+
+def test_the_tiny_copy_keeps_sliding_layers_that_come_late():
+    tiny = architecture.tiny_config(_qwen2_late_windows())
+    assert tiny.num_hidden_layers <= 8
+    assert tiny.layer_types.count("sliding_attention") >= 1 and "full_attention" in tiny.layer_types
+    # the first sliding layer, renumbered: layer_types and max_window_layers agree
+    assert tiny.layer_types.index("sliding_attention") == tiny.max_window_layers
+    model = architecture.build_tiny(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
+    windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+    assert windows[-1] == 4 and windows[0] is None
+
+
+def _drop_windows(monkeypatch) -> None:
+    """The broken variant: the waves' masks ignore the layer's sliding window."""
+    from hf_prefixflow import attention
+
+    original = attention._wave_mask
+    monkeypatch.setattr(attention, "_wave_mask",
+                        lambda wave, base, window, *args, **kwargs: original(wave, base, None, *args, **kwargs))
+
+
+def test_the_probe_refuses_waves_that_drop_a_late_sliding_window(monkeypatch):
+    """Qwen2 with its sliding layers past the eighth: the probe keeps one, so waves that drop the window are refused
+    (a copy of the first eight layers alone, all full attention, accepted them)."""
+    architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")  # exact as it is
+    _drop_windows(monkeypatch)
+    with pytest.raises(PrefixFlowError, match="does not match full sequences"):
+        architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
+    # the gap this closes: a copy truncated to its first layers has no sliding layer and accepts the broken waves
+    monkeypatch.setattr(architecture, "_kept_layers", lambda kinds, keep: list(range(keep)))
+    assert architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa").skipped is None
+
+
+def test_the_probe_prompt_reaches_past_windows_and_chunks():
+    """The probe's prompt and completions are longer than the windows and chunks of the tiny copy, in several
+    waves."""
+    assert architecture._PROBE_PREFIX > 2 * 4 and min(architecture._PROBE_SUFFIXES[:1]) > 4
+    assert len(architecture._PROBE_WAVES) >= 2
+    assert sorted(i for wave in architecture._PROBE_WAVES for i in wave) == list(range(len(architecture._PROBE_SUFFIXES)))
