@@ -170,6 +170,12 @@ GRPO_TRAINER_PRIVATE_1_14 = {
     "_get_per_token_logps_and_entropies": ("model", "args", "batch_size", "compute_aux_loss", "kwargs"),
     "_full_logits_logps": _LOGPS_PARAMETERS,
 }
+# `trl.RLOOTrainer` methods `PrefixFlowRLOOTrainer` overrides or calls, TRL 1.14.1 on: GRPO's but for its single turn,
+# which returns the completion ids alone.
+RLOO_TRAINER_PRIVATE = {
+    **GRPO_TRAINER_PRIVATE,
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields"),
+}
 # TRL 1.14 functions (`trl.trainer.utils`) the fused-LM-head stand-in scores with (name -> parameters).
 TRL_1_14_SCORING = {
     "selective_log_softmax": ("logits", "index", "temperature", "row_mask"),
@@ -216,7 +222,9 @@ def add_fused_lm_head(trainer) -> None:
     if trl_fused_lm_head() is not None:
         return
     model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    logits_lm_head(model, trainer.temperature, ("log_probs", "entropy"), trainer._entropy_bonus_enabled)
+    # RLOOTrainer 1.14 has no entropy bonus: its entropies (a metric) carry no gradient
+    logits_lm_head(model, trainer.temperature, ("log_probs", "entropy"),
+                   getattr(trainer, "_entropy_bonus_enabled", False))
     if trainer.ref_model is not None:
         logits_lm_head(trainer.ref_model, trainer.temperature)
 

@@ -82,6 +82,16 @@ def test_grpo_trainer_private_methods():
     assert _compat.trl_supported(), f"trl {trl.__version__} is outside the supported {_compat.TRL_SUPPORTED}"
 
 
+def test_rloo_trainer_private_methods():
+    import trl
+
+    for name, expected in _compat.RLOO_TRAINER_PRIVATE.items():
+        method = getattr(trl.RLOOTrainer, name, None)
+        assert method is not None, f"trl.RLOOTrainer.{name} is gone"
+        if expected is not None:
+            assert _parameters(method) == expected, f"trl.RLOOTrainer.{name} changed its parameters"
+
+
 def test_trl_scoring_the_waves_rely_on():
     """TRL 1.15 on adds the fused LM head to the trainer's models; before, `logits_lm_head` scores with TRL 1.14's
     own functions."""
