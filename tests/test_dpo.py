@@ -127,14 +127,16 @@ def base():
 # -- training runs against the stock trainer ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["sigmoid", "ipo", "aot", "accumulation"])
+TRAINING = {"sigmoid": {}, "ipo": {"loss_type": ["ipo"]}, "aot": {"loss_type": ["aot"], "label_smoothing": 0.1},
+            "accumulation": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+            "checkpointing": {"gradient_checkpointing": True}}  # TRL's default
+
+
+@pytest.mark.parametrize("case", TRAINING)
 def test_training_matches_stock(one_thread, base, tmp_path, case):
     """Loss, gradients and weights over optimizer steps; uneven lengths, identical response openings, a pair that
     shares only BOS (plain path under the default threshold); 'accumulation': two microbatches per step."""
-    overrides = {"loss_type": [case]} if case in ("ipo", "aot") else {}
-    overrides |= LOSS_SETTINGS.get(case, {})
-    if case == "accumulation":
-        overrides |= {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    overrides = TRAINING[case]
     stock = train(build(DPOTrainer, base, tmp_path, **overrides))
     pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, **overrides))
     assert_aligned(stock, pf)
@@ -160,6 +162,16 @@ def test_precomputed_reference_log_probs(one_thread, base, tmp_path):
                          torch.tensor(stock_trainer.train_dataset[column]), column)
     assert pf_trainer._metrics["train"]["prefixflow/scoring_groups"]
     assert_aligned(train(stock_trainer), train(pf_trainer))
+
+
+def test_evaluation_matches_stock(one_thread, base, tmp_path):
+    """`evaluate`: the policy and reference passes score through no-grad groups."""
+    dataset = make_dataset(pairs=4, seed=1)
+    expected = build(DPOTrainer, base, tmp_path).evaluate(eval_dataset=dataset)
+    actual = build(PrefixFlowDPOTrainer, base, tmp_path).evaluate(eval_dataset=dataset)
+    for key in ("eval_loss", "eval_logps/chosen", "eval_logps/rejected", "eval_entropy"):
+        assert actual[key] == pytest.approx(expected[key], rel=1e-5), key
+    assert actual["eval_prefixflow/scoring_groups"] > 0
 
 
 def test_bos_only_pair_stays_exact_when_shared(one_thread, base, tmp_path):
