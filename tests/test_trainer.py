@@ -44,6 +44,14 @@ def same_microbatches(monkeypatch):
                         (check_group_prompts(batch, size, offset), batch)[1])
 
 
+@pytest.fixture(autouse=True)
+def earlier_memory_defaults(monkeypatch):
+    """These tests pin the defaults from before the memory rule (K/V on the device, runs merged as 'auto' says):
+    at this tiny size a merged run's fused-head tile (32,768 vocabulary entries per scored position) outgrows the
+    stock microbatch, so the rule would never merge here. The rule: tests/test_default_memory.py."""
+    monkeypatch.setattr(pf_mixin.PrefixFlowTrainerMixin, "_stock_rule", property(lambda self: False))
+
+
 def train(trainer_cls, model, tmp_path, steps=1, config_cls=GRPOConfig, peft_config=None, rollouts=8, **overrides):
     # No gradient clipping: the recorded gradients are the raw sums, so a normaliser off by a factor shows.
     options = dict(output_dir=str(tmp_path / trainer_cls.__name__), per_device_train_batch_size=8, num_generations=4,

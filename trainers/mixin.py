@@ -35,7 +35,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType, TorchDynamoPlugin
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import _compat, moe
+from hf_prefixflow import _compat, defaults, moe
 from hf_prefixflow.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.engines import fsdp_units
@@ -72,12 +72,16 @@ class PrefixFlowArguments:
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
     prefixflow_routing_replay: bool = field(
         default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
-    prefixflow_offload: bool = field(
-        default=False, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C"})
-    prefixflow_offload_kv: bool = field(
-        default=False, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
-                                         "streamed in for its turn (implies prefixflow_offload): the longest "
-                                         "prompts, for host-device traffic; one process or DDP without split groups"})
+    prefixflow_offload: bool | None = field(
+        default=None, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C; None "
+                                        "(with prefixflow_offload_kv None): per run, the cheapest way to hold the "
+                                        "prompt whose planned peak is at most the stock trainer's "
+                                        "(hf_prefixflow/defaults.py), logged as prefixflow/offload_mode"})
+    prefixflow_offload_kv: bool | None = field(
+        default=None, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
+                                        "streamed in for its turn (implies prefixflow_offload): the longest "
+                                        "prompts, for host-device traffic; one process or DDP without split groups; "
+                                        "None: as prefixflow_offload=None decides"})
     prefixflow_offload_auto: bool = field(
         default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
                                          "whose estimated peak fits in the free CUDA memory and whose host pool in "
@@ -403,10 +407,12 @@ class PrefixFlowTrainerMixin:
         self._generation = index_batch(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
                                        torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
                                        batch["completion_ids"].shape[1])
+        self._stock_widths = (batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1])  # the stock's padding
         if not self._runs:
             return
         prompt, completion = batch["prompt_ids"].shape[1], max(batch["completion_ids"].shape[1], 1)
         cap = (prompt + completion) // completion if self._merge_limit is None else self._merge_limit
+        cap = self._stock_merge_cap(cap)
         if self.accelerator.num_processes > 1:  # every process runs the same schedule (DDP's forwards talk)
             shared = torch.tensor(cap, device=self.accelerator.device)
             dist.all_reduce(shared, op=dist.ReduceOp.MIN)
@@ -660,6 +666,8 @@ class PrefixFlowTrainerMixin:
         if self.prefixflow_offload_auto:
             self._choose_offload(model, [g for g in groups if g.key not in self._open and g.key not in self._splits],
                                  waves[0].shape[1])
+        elif self._stock_rule:
+            self._choose_under_stock(model, groups, waves[0].shape[1])
         checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
         for g in groups:
             split = self._splits.get(g.key)
@@ -754,6 +762,65 @@ class PrefixFlowTrainerMixin:
                         [len(g.rows) for g in groups], self._checkpointing_policy(),
                         prefix_recompute=self.prefixflow_prefix_recompute, suffix_checkpointing=False)
         return need <= free_device_bytes(model)
+
+    @property
+    def _stock_rule(self) -> bool:
+        """The default memory rule (`hf_prefixflow/defaults.py`): prefixflow_offload and prefixflow_offload_kv unset,
+        prefixflow_offload_auto off, one process or DDP without split groups (elsewhere groups stay open across
+        microbatches or K/V moves between processes, which the run's plan does not model)."""
+        return (self.prefixflow_offload is None and self.prefixflow_offload_kv is None
+                and not self.prefixflow_offload_auto
+                and not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
+
+    def _stock_choice_kwargs(self, model) -> dict:
+        return dict(prefix_recompute=self.prefixflow_prefix_recompute,
+                    suffix_checkpointing=self._suffix_policy is not False, host_budget=free_host_bytes(model))
+
+    def _stock_merge_cap(self, cap: int) -> int:
+        """The default memory rule with prefixflow_merge_microbatches='auto': the longest run up to `cap` whose
+        planned need fits the stock microbatch's (`defaults.merge_cap`); `cap` otherwise. Logged when it changes."""
+        if not self._stock_rule or self._merge_limit is not None:
+            return cap
+        (prompt, completion), model = self._stock_widths, self.model
+        batch, completion = self.args.per_device_train_batch_size, max(completion, 1)
+        floor = PASS_FLOOR_TOKENS if self.accelerator.device.type == "cuda" else 0
+        sharing = [m for m in range(1, cap + 1) if self._shape.pays(  # as `_choose` rules on a run's groups
+            prompt, [completion] * min(m * batch, self.num_generations), self.prefixflow_min_speedup, batch, floor)]
+        if not sharing:  # every run trains on the plain path, as the stock trainer does
+            return cap
+        fitted = defaults.merge_cap(self._planner_tokens(model), prompt, completion, batch, self.num_generations,
+                                    cap, self._checkpointing_policy(), min_microbatches=sharing[0],
+                                    **self._stock_choice_kwargs(model))
+        if fitted != getattr(self, "_stock_cap_logged", cap):
+            logger.info("PrefixFlow: runs merge at most %d microbatches (of %d) so that a run plans no more device "
+                        "memory than the stock trainer's microbatch (%d / %d tokens).", fitted, cap, prompt, completion)
+        self._stock_cap_logged = fitted
+        return fitted
+
+    def _choose_under_stock(self, model, groups: list[BatchGroup], completion_width: int) -> None:
+        """The default memory rule: the groups this run opens get the cheapest setting (`defaults.SETTINGS`) under
+        which the run plans no more device memory than the stock trainer's microbatch of the same generation batch
+        (`defaults.choose`; groups already open keep theirs). Logged as prefixflow/offload_mode (the setting's index in
+        `defaults.SETTING_NAMES`) and in an info line whenever it changes."""
+        if all(g.key in self._open for g in groups):
+            return
+        tokens = self._planner_tokens(model)
+        budget = defaults.stock_need(tokens, *self._stock_widths, self.args.per_device_train_batch_size,
+                                     self._checkpointing_policy())
+        choice = defaults.choose(tokens, [len(g.prefix_ids) for g in groups], completion_width,
+                                 [len(g.rows) for g in groups], budget, self._checkpointing_policy(),
+                                 **self._stock_choice_kwargs(model))
+        setting = choice.setting
+        apply_prefixflow(model, dataclasses.replace(config_of(unwrap(model)), offload=setting.offload,
+                                                    offload_kv=setting.offload_kv,
+                                                    prefix_recompute=setting.prefix_recompute))
+        self._metrics["train"]["prefixflow/offload_mode"].append(setting.code)
+        if setting.name != getattr(self, "_stock_mode_logged", None):
+            logger.log(logging.INFO if choice.fits else logging.WARNING,
+                       "PrefixFlow: prompts held as %r (prefixflow/offload_mode %d): planned %.2f GiB against the "
+                       "stock trainer's microbatch %.2f GiB (static state aside)%s.", setting.name, setting.code,
+                       choice.need / 2**30, budget / 2**30, "" if choice.fits else "; no setting fits, least taken")
+            self._stock_mode_logged = setting.name
 
     def _checkpointing_policy(self) -> str:
         return "full" if self.args.gradient_checkpointing else "none"

@@ -1,0 +1,130 @@
+"""The default memory rule (hf_prefixflow/defaults.py): with prefixflow_offload and prefixflow_offload_kv unset, a run
+plans no more device memory than the stock trainer's microbatch, decided from the planner's byte model (no device)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from trl import GRPOConfig
+
+import grpo_setup as setup
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, defaults, planner
+from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.trainers import mixin as pf_mixin
+from test_planner import h200_config
+from test_trainer import assert_aligned, both, run_lengths, same_microbatches  # noqa: F401 - an autouse fixture
+
+GIB = 2**30
+N = 16
+SPLITS = [(4864, 256), (10240, 2048)]
+GRID = [(shape, prompt, completion, batch, policy) for shape in ("qwen3-1.7b", "llama3-8b")
+        for prompt, completion in SPLITS for batch in (1, 4, 16) for policy in ("full", "none")]
+
+
+def decide(tokens, prompt: int, completion: int, batch: int, policy: str, shape: ModelShape):
+    """What the trainer decides on a GPU for a generation batch of one prompt width: its merge cap (no shorter than
+    a run whose group shares its prompt, `_stock_merge_cap`), a run's rows and the setting
+    (benchmarks/trainer_step.py's grid: prompts of exactly `prompt` tokens)."""
+    default = (prompt + completion) // completion
+    sharing = min(m for m in range(1, default + 1) if shape.pays(prompt, [completion] * min(m * batch, N), MIN_SPEEDUP,
+                                                                 batch, PASS_FLOOR_TOKENS))
+    cap = defaults.merge_cap(tokens, prompt, completion, batch, N, default, policy, min_microbatches=sharing)
+    assert cap >= sharing and not 0 < -(-N // batch) % cap < sharing  # the last run shares too
+    rows = defaults.run_groups(cap, batch, N)
+    budget = defaults.stock_need(tokens, prompt, completion, batch, policy)
+    return cap, rows, defaults.choose(tokens, [prompt] * len(rows), completion, rows, budget, policy)
+
+
+@pytest.mark.parametrize("shape, prompt, completion, batch, policy", GRID)
+def test_the_default_never_plans_above_the_stock_trainer(shape, prompt, completion, batch, policy):
+    """At every grid point the chosen setting's planned peak (`planner.plan`, every phase, static state included) is
+    at most the stock microbatch's planned peak, and every cheaper setting plans above it at that run length."""
+    config = h200_config(shape)
+    tokens = planner.token_bytes(config, dtype=torch.bfloat16)
+    cap, rows, choice = decide(tokens, prompt, completion, batch, policy, ModelShape.from_config(config))
+    assert choice.fits and len(rows) == 1 and 1 <= cap <= (prompt + completion) // completion
+    s = choice.setting
+    estimate = planner.plan(config, prompt, completion, N, float("inf"), policy, rows_per_microbatch=batch,
+                            wave_size=rows[0], offload=s.offload, offload_kv=s.offload_kv, suffix_checkpointing=True,
+                            prefix_recompute=s.prefix_recompute, dtype=torch.bfloat16)
+    assert estimate.peak_bytes <= estimate.baseline_peak_bytes
+    assert estimate.peak_bytes - estimate.baseline_peak_bytes == pytest.approx(choice.need - choice.budget, abs=4)
+    for cheaper in defaults.settings(policy)[:defaults.settings(policy).index(s)]:
+        assert defaults.setting_need(tokens, cheaper, [prompt], completion, rows, policy) > choice.budget
+    if batch > 1:  # a microbatch of several full sequences holds more than a group's prompt state: nothing changes
+        assert s.name == "device" and cap == (prompt + completion) // completion
+
+
+def test_one_row_per_microbatch_needed_the_prompt_off_the_device():
+    """The broken default (K/V on the device, runs merged as far as the completions fit one microbatch's tokens)
+    fails the same check where it was measured (Qwen3-1.7B shape, 10k/2k, batch 1, checkpointing: PrefixFlow 16.8
+    GiB against GRPOTrainer's 13.5): the prompt's K/V, gK/gV and checkpointed inputs are the planner's 3.5 GiB extra.
+    The rule streams the K/V and merges four microbatches instead of six."""
+    config = h200_config("qwen3-1.7b")
+    tokens = planner.token_bytes(config, dtype=torch.bfloat16)
+    earlier = planner.plan(config, 10240, 2048, N, float("inf"), "full", rows_per_microbatch=1, wave_size=6,
+                           offload=False, offload_kv=False, suffix_checkpointing=True, dtype=torch.bfloat16)
+    assert (earlier.peak_bytes - earlier.baseline_peak_bytes) / GIB == pytest.approx(3.5, abs=0.1)
+    cap, rows, choice = decide(tokens, 10240, 2048, 1, "full", ModelShape.from_config(config))
+    assert (cap, rows, choice.setting.name) == (4, [4], "offload_kv")
+    no_kv = defaults.choose(tokens, [10240], 2048, rows, choice.budget, "full", allow_kv=False)
+    assert not no_kv.fits and no_kv.setting.name == "offload"  # the least needing where none fits
+
+
+def test_explicit_settings_narrow_the_choice():
+    tokens = planner.token_bytes(h200_config("qwen3-1.7b"), dtype=torch.bfloat16)
+    assert [s.name for s in defaults.settings("none")] == list(defaults.SETTING_NAMES)
+    assert [s.name for s in defaults.settings("full")] == ["device", "offload", "offload_kv"]  # recomputed anyway
+    kept = defaults.settings("none", prefix_recompute=0.5, allow_kv=False)
+    assert [(s.name, s.prefix_recompute) for s in kept] == [("device", 0.5), ("offload", 0.5)]
+    budget = defaults.stock_need(tokens, 10240, 2048, 1, "full")
+    no_host = defaults.choose(tokens, [10240], 2048, [4], budget, "full", host_budget=0.0)
+    assert no_host.setting.name == "device" and not no_host.fits  # no pool without host memory
+
+
+def pf_trainer(tmp_path, **options) -> PrefixFlowGRPOTrainer:
+    config = PrefixFlowGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=4,
+                                  gradient_accumulation_steps=4, max_completion_length=8, report_to="none",
+                                  use_cpu=True, bf16=False, **options)
+    return PrefixFlowGRPOTrainer(model=setup.make_model(), reward_funcs=setup.length_reward, args=config,
+                                 train_dataset=setup.make_dataset(prompts=4), processing_class=setup.make_tokenizer())
+
+
+def test_a_user_s_settings_are_kept(tmp_path):
+    """Any of prefixflow_offload, prefixflow_offload_kv or prefixflow_offload_auto set turns the rule off and keeps
+    the setting; a number for prefixflow_merge_microbatches keeps that cap under the rule."""
+    assert pf_trainer(tmp_path / "default")._stock_rule
+    for options, offload in (({"prefixflow_offload": False}, False), ({"prefixflow_offload": True}, True),
+                             ({"prefixflow_offload_kv": True}, True), ({"prefixflow_offload_auto": True}, False)):
+        trainer = pf_trainer(tmp_path / str(options), **options)
+        assert not trainer._stock_rule and pf_mixin.config_of(pf_mixin.unwrap(trainer.model)).offload == offload
+    merged = pf_trainer(tmp_path / "merge", prefixflow_merge_microbatches="3")
+    # Short rows: a merged run's fused-head tile (32,768 vocabulary entries per scored position) outgrows the stock's.
+    merged._stock_widths = (30, 8)
+    assert merged._stock_merge_cap(3) == 3
+    merged._merge_limit = None
+    assert merged._stock_merge_cap(3) == 1
+
+
+@pytest.mark.parametrize("only", [None, "offload_kv"])
+def test_the_default_equals_the_stock_trainer_and_logs_its_choice(tmp_path, caplog, monkeypatch, only):
+    """A float64 tiny model, TRL's defaults (checkpointing on), two rows per microbatch, a group over two microbatches:
+    the rule's choice trains the stock trainer's gradients, weights and metrics. For this model a merged run's fused-
+    head tile alone outgrows the stock microbatch, so runs stop merging (logged), and the K/V stay on the device
+    (prefixflow/offload_mode 0, logged once). With the K/V's stream the only setting (`only`), it is applied."""
+    if only is not None:
+        monkeypatch.setattr(defaults, "SETTINGS", tuple(s for s in defaults.SETTINGS if s.name == only))
+    with caplog.at_level(logging.INFO, logger=pf_mixin.logger.name):
+        stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(dtype=torch.float64), steps=2,
+                         config_cls=GRPOConfig, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         gradient_checkpointing=True)
+    assert_aligned(stock, pf, rtol=1e-5)
+    modes = {log["prefixflow/offload_mode"] for log in pf[2] if "prefixflow/offload_mode" in log}
+    assert modes == {float(defaults.SETTING_NAMES.index(only or "device"))}
+    messages = [r.getMessage() for r in caplog.records]
+    held = [m for m in messages if m.startswith("PrefixFlow: prompts held as")]
+    assert len(held) == 1 and f"'{only or 'device'}'" in held[0]
+    assert sum(m.startswith("PrefixFlow: runs merge at most 1 microbatches (of ") for m in messages) == 1
+    assert run_lengths(pf[2]) == {1.0}
