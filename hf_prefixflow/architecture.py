@@ -24,29 +24,39 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import _compat as compat, attention
+from . import _compat as compat, attention, states
 from .errors import PrefixFlowError
 
 # `config.layer_types` values whose layers mix tokens only through attention.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local", "full", "sliding"}
+# (or not at all: a layer of only an MLP or MoE block, as NemotronH's)
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local", "full", "sliding",
+                         "mlp", "moe", "chunked_attention"}  # chunks: the waves' masks keep them (`attention.chunk_size`)
 # Module class names of token mixers other than attention, and what each does.
 MIXER_PATTERNS = (
     (re.compile(r"Mamba|SSM|Mixer$"), "a state-space (Mamba) mixer carries a recurrent state across the sequence"),
-    (re.compile(r"DeltaNet|LinearAttention|Lightning|Retention|Rwkv|RWKV|Lstm|LSTM|Recurrent"),
+    (re.compile(r"DeltaNet|DeltaAttention|LinearAttention|Lightning|Retention|Rwkv|RWKV|Lstm|LSTM|Recurrent"),
      "a linear-attention / recurrent mixer carries a state across the sequence"),
     (re.compile(r"ShortConv|CausalConv|Conv1d|Conv$"), "a convolution over time mixes neighbouring tokens"),
 )
 # Why a `layer_types` kind other than attention cannot be trained from cached K/V.
 KIND_REASONS = {
-    "conv": "it mixes tokens outside attention by a short causal convolution over the sequence",
-    "linear_attention": "it mixes tokens outside attention through a recurrent (linear-attention or state-space) state",
-    "hybrid": "it mixes tokens outside attention through a state-space mixer beside its attention",
-    "hybrid_sliding": "it mixes tokens outside attention through a state-space mixer beside its attention",
+    "conv": "it mixes tokens by a causal convolution whose window it does not read through transformers' cache API",
+    "linear_attention": "it mixes tokens through a recurrent (linear-attention or state-space) state that it does not "
+                        "read through transformers' cache API (get_conv_state / get_recurrent_state)",
+    "hybrid": "it mixes tokens through a state-space mixer that does not read its state through transformers' cache "
+              "API",
+    "hybrid_sliding": "it mixes tokens through a state-space mixer that does not read its state through transformers' "
+                      "cache API",
     "indexed_attention": "its sparse-attention indexer scores the prefix with keys of its own",
     "compressed_sparse_attention": "it attends to compressed blocks of the sequence built outside its K/V",
     "heavily_compressed_attention": "it attends to compressed blocks of the sequence built outside its K/V",
-    "chunked_attention": "its attention stays within fixed chunks of the sequence, a mask PrefixFlow's waves lack",
 }
+# `layer_types` kinds of recurrent layers: exact when their mixer reads its state through the cache API
+# (`states.is_state_mixer`), which PrefixFlow then serves from the group's cache.
+STATE_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "mamba2", "ssm", "recurrent"}
+# Mixers that read a cached state only for one-token decoding: their multi-token scan always starts from zero, so a
+# suffix cannot continue from the prefix's state (Mamba1: Mamba, FalconMamba, Jamba, Zamba).
+FROM_ZERO_MIXERS = {"MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"}
 TOLERANCE = 1e-5  # relative, float64: the equivalence tests' bound
 
 
@@ -65,7 +75,10 @@ def check_structure(model: PreTrainedModel) -> None:
     naming the layer or module and why."""
     owner = type(model).__name__
     text_config = model.config.get_text_config()
+    layers = [layer for _, layer in _decoder_layers(model)]
     for index, kind in enumerate(getattr(text_config, "layer_types", None) or []):
+        if kind in STATE_LAYER_TYPES and index < len(layers) and _carries_state(layers[index]):
+            continue
         if kind not in ATTENTION_LAYER_TYPES:
             how = KIND_REASONS.get(kind, "it is not known to mix tokens only through attention")
             raise PrefixFlowError(
@@ -73,14 +86,32 @@ def check_structure(model: PreTrainedModel) -> None:
                 "more than the K/V PrefixFlow caches and the causal masks it builds. PrefixFlow would train it "
                 "wrongly; train this model with the plain trainer."
             )
-    for name, module in _decoder_named_modules(model):
+    named = list(_decoder_named_modules(model))
+    for name, module in named:
+        if type(module).__name__ in FROM_ZERO_MIXERS:
+            raise PrefixFlowError(
+                f"{owner}: {name} ({type(module).__name__}) is a Mamba1 mixer whose multi-token scan in transformers "
+                "always starts from a zero state (a cached state is read only when decoding one token), so a suffix "
+                "cannot continue from the prompt's state. PrefixFlow would train it wrongly; train this model with "
+                "the plain trainer."
+            )
+    # A recurrent mixer's state at the end of the prefix is cached like K/V (`states`): it, its parts and the
+    # layers holding it pass.
+    stateful = [n for n, m in named if states.is_state_mixer(type(m)) and hasattr(m, "layer_idx")]
+    for name, module in named:
         cls = type(module).__name__
+        if any(name == s or name.startswith(s + ".") or s.startswith(name + ".") for s in stateful):
+            continue
+        if _is_attention(type(module)):  # e.g. Kimi-Linear's MLA `KimiLinearAttention`: the probe checks it
+            continue
         for pattern, why in MIXER_PATTERNS:
             if pattern.search(cls) or (isinstance(module, torch.nn.Conv1d) and pattern is MIXER_PATTERNS[2][0]):
                 raise PrefixFlowError(
                     f"{owner}: {name} ({cls}) mixes tokens outside attention: {why}, so a suffix depends on the "
-                    "prefix through it as well as through K/V. PrefixFlow caches only K/V and would train it "
-                    "wrongly; train this model with the plain trainer."
+                    "prefix through it as well as through K/V. PrefixFlow caches K/V and the states mixers read "
+                    "through transformers' cache API (get_conv_state / get_recurrent_state); this one keeps its "
+                    "state its own way, so PrefixFlow would train it wrongly. Train this model with the plain "
+                    "trainer."
                 )
         if isinstance(module, torch.nn.Identity) and "expert" in name.rsplit(".", 1)[-1]:
             raise PrefixFlowError(
@@ -90,6 +121,21 @@ def check_structure(model: PreTrainedModel) -> None:
                 "output), where full sequences give them a zero one, which optimizers with momentum or weight "
                 "decay still act on. Train this model with the plain trainer."
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _is_attention(cls: type) -> bool:
+    """Whether `cls.forward` dispatches through transformers' attention functions (whatever its name says)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source or "eager_attention_forward" in source
+
+
+def _carries_state(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer mixes tokens through a recurrent mixer PrefixFlow caches the state of."""
+    return any(states.is_state_mixer(type(m)) and hasattr(m, "layer_idx") for m in layer.modules())
 
 
 def _decoder_named_modules(model: PreTrainedModel):
@@ -110,11 +156,17 @@ _SIZES = {
     "global_head_dim": 8, "num_global_key_value_heads": 2, "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 97, "laurel_rank": 4, "altup_num_inputs": 2, "rotary_dim": 4,
     "first_k_dense_replace": 1, "num_dense_layers": 1,  # leading dense layers: one, so a tiny copy keeps MoE layers
+    # recurrent mixers: Mamba2 heads x head size = expand x hidden (64); scan chunks shorter than the probe's prompt
+    "mamba_n_heads": 4, "mamba_num_heads": 4, "n_mamba_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
+    "mamba_headdim": 16, "mamba_d_ssm": 64, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8,
+    "mamba_chunk_size": 4, "n_groups": 2, "mamba_n_groups": 2, "mamba_ngroups": 2, "attention_head_dim": 16,
+    "attention_hidden_size": 64, "linear_num_heads": 4, "linear_head_dim": 8, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     # encoder-decoder and fairseq-style names
     "d_model": 32, "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 48,
     "encoder_ffn_dim": 48, "decoder_layers": 2, "encoder_layers": 2,
 }
-_AT_MOST = ("num_shared_experts", "n_shared_experts", "num_experts_per_tok", "moe_topk", "rotary_dim",
+_AT_MOST = ("n_groups", "mamba_n_groups", "mamba_ngroups", "num_shared_experts", "n_shared_experts", "num_experts_per_tok", "moe_topk", "rotary_dim",
             "first_k_dense_replace", "num_dense_layers", "decoder_layers", "encoder_layers")
 # Left unset (None) by some families' default configs although their layers need them.
 _UNSET = ("head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")
@@ -194,9 +246,11 @@ def _shrink_text(text: PretrainedConfig) -> None:
         else:
             _select_layers(text, layers, kept)
         text.num_hidden_layers = keep
-    for name in ("sliding_window", "attention_chunk_size"):
-        if isinstance(_get(text, name), int):
-            setattr(text, name, 4)  # shorter than the probe's sequences: windows and chunks are exercised
+    # Position scales shorter than the probe's prompt, so what they do is exercised: windows, chunks, and the
+    # positions at which Llama 4's attention temperature steps (`attention.index_scaled_query`).
+    for name in ("sliding_window", "attention_chunk_size", "floor_scale"):
+        if isinstance(_get(text, name), int) and not isinstance(_get(text, name), bool):
+            setattr(text, name, 4)
 
 
 def _get(config: PretrainedConfig, name: str):
@@ -503,6 +557,8 @@ def _reach(model: PreTrainedModel) -> ProbeResult:
         attention.REACH.calls = None
         AttentionInterface.register(name, registered)
     owner = type(model).__name__
+    if not calls and states.has_states(model):
+        return ProbeResult()  # recurrent layers only (a pure state-space stack): their states are the whole cache
     if not calls:
         raise PrefixFlowError(
             f"{owner} never called the registered attention function, so PrefixFlow could not cache or read its "

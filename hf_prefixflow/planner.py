@@ -190,19 +190,27 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _structure(model: torch.nn.Module) -> tuple[bool, bool]:
-    """(per-head q/k norms, gated MLP) of the first decoder layer."""
+    """(per-head q/k norms, gated MLP) of the first decoder layer with attention (hybrid stacks interleave
+    recurrent layers, which the byte model counts as attention layers of the same width)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and hasattr(module[0], "self_attn"):
-            layer = module[0]
+        if isinstance(module, torch.nn.ModuleList) and any(_attention_of(layer) for layer in module):
+            layer = next(layer for layer in module if _attention_of(layer))
             break
     else:
-        raise PrefixFlowError(f"{type(model).__name__} has no decoder layers with `self_attn`: plan() models "
+        raise PrefixFlowError(f"{type(model).__name__} has no decoder layers with attention: plan() models "
                               "decoders.")
-    attention, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    attention, mlp = _attention_of(layer), getattr(layer, "mlp", None)
     qk_norm = hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
     gated = mlp is not None and any(hasattr(m, name) for m in mlp.modules()
                                     for name in ("gate_proj", "gate_up_proj", "w1"))
     return qk_norm, gated
+
+
+def _attention_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's attention module (`self_attn`, or NemotronH's `mixer`), if it has one."""
+    return next((m for m in (getattr(layer, "self_attn", None), getattr(layer, "mixer", None))
+                 if m is not None and any(hasattr(m, p) for p in ("k_proj", "qkv_proj", "kv_a_proj_with_mqa"))),
+                None)
 
 
 @functools.lru_cache(maxsize=16)
