@@ -24,6 +24,23 @@ time the GPU was busy within it (the union of kernels, copies and memsets); a lo
 `prefixflow_merge_microbatches=1` (a suffix wave per TRL microbatch) or `prefixflow_suffix_checkpointing=false`;
 `--config` sets `GRPOConfig` fields for both (`torch_compile=true`: the like-for-like compiled comparison). Each row
 also keeps the untimed warm-up steps' seconds (compilation shows there).
+
+`--memory-grid`: both trainers with their default configs (a plain `GRPOConfig`, so PrefixFlow's default memory
+rule, `hf_prefixflow/defaults.py`, picks how each run holds its prompt) over `MEMORY_GRID`: Qwen3-1.7B and Llama3-8B
+shapes, 4,864/256 and 10,240/2,048 tokens (`--splits P/S,...`), batch 1, 4 and 16, checkpointing on and off. Each
+row of `memory_grid.json` holds the memory columns (`peak_gib_stock`, `peak_gib_prefixflow`: the step's peak
+allocated bytes, weights, gradients and optimizer state included; `peak_within_stock`), the speed columns (`stock_s`,
+`prefixflow_s`, `speedup`), the settings each trainer ran with (`stock_settings`, `prefixflow_settings`: batch,
+accumulation, checkpointing, the merge cap the rule left) and the rule's choices (`offload_modes`, `run_microbatches`,
+`suffix_recomputed`); a side out of memory is listed in `out_of_memory`. The whole grid:
+
+    python benchmarks/trainer_step.py --memory-grid --out $OUT
+
+The grid flags narrow it, to fit a 10-minute device call (`--deadline-s` stops before a point past it):
+
+    python benchmarks/trainer_step.py --memory-grid --models qwen3-1.7b --checkpointing on --out $OUT
+    python benchmarks/trainer_step.py --memory-grid --models llama3-8b --splits 10240/2048 --checkpointing on \
+        --steps 2 --out $OUT
 """
 
 from __future__ import annotations
@@ -59,6 +76,10 @@ import synthetic  # noqa: E402 - the examples' synthetic task and step timing
 from step_timing import StepTimer, sync, timed_generation  # noqa: E402
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+PLAIN_GRID = {"models": "qwen3-1.7b", "batches": "4,16", "checkpointing": "on", "tag": "trainer_step"}
+# --memory-grid: the points where PrefixFlow's default peak must stay within GRPOTrainer's (hf_prefixflow/defaults.py)
+MEMORY_GRID = {"models": "qwen3-1.7b,llama3-8b", "splits": "4864/256,10240/2048", "batches": "1,4,16",
+               "checkpointing": "on,off", "tag": "memory_grid"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,7 @@ class Point:
     batch: int
     checkpointing: bool
     generation: str
+    completion: int  # S
 
 
 def build_model(name: str, tiny: bool, tokenizer) -> torch.nn.Module:
@@ -100,14 +122,14 @@ def fixed_completions(trainer, length: int, vocab: int) -> None:
 
 def make_trainer(name: str, point: Point, args, steps: int):
     tokenizer = synthetic.make_tokenizer()
-    prefix = prefix_length(point.ratio, args.completion)
+    prefix = prefix_length(point.ratio, point.completion)
     accumulation = args.n // math.gcd(args.n, point.batch)  # one generation batch per optimizer step
     groups = point.batch * accumulation // args.n
     extra = args.prefixflow_config if name == "prefixflow" else {}
     extra = {**args.config, **extra}
     config = (PrefixFlowGRPOConfig if name == "prefixflow" and args.prefixflow_config else GRPOConfig)(
         **extra, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=point.batch,
-        gradient_accumulation_steps=accumulation, num_generations=args.n, max_completion_length=args.completion,
+        gradient_accumulation_steps=accumulation, num_generations=args.n, max_completion_length=point.completion,
         gradient_checkpointing=point.checkpointing, bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(), learning_rate=1e-6, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=0)
@@ -118,7 +140,7 @@ def make_trainer(name: str, point: Point, args, steps: int):
         train_dataset=prompts(groups * steps + 1, prefix))
     trainer.remove_callback(PrinterCallback)  # the logs are in the rows
     if point.generation == "fixed":
-        fixed_completions(trainer, args.completion, len(tokenizer))
+        fixed_completions(trainer, point.completion, len(tokenizer))
     return trainer
 
 
@@ -152,9 +174,35 @@ def run(name: str, point: Point, args) -> dict | None:
     result.update(completion_mean=statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
                   run_microbatches=max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
                   suffix_recomputed=max((log.get("prefixflow/suffix_checkpointing", 0) for log in logs), default=0),
-                  config=trainer.model.config)
+                  offload_modes=offload_modes(logs), settings=ran_with(trainer), config=trainer.model.config)
     release(trainer)
     return result
+
+
+RAN_WITH = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "bf16",
+            "num_generations", "max_completion_length", "torch_compile", "prefixflow_offload", "prefixflow_offload_kv",
+            "prefixflow_offload_auto", "prefixflow_prefix_recompute", "prefixflow_suffix_checkpointing",
+            "prefixflow_merge_microbatches", "prefixflow_wave_size")
+
+
+def ran_with(trainer) -> dict:
+    """The settings a trainer ran with: its config's (a plain GRPOConfig has no prefixflow_ fields: the trainer's
+    defaults) and, for PrefixFlow, the merge cap the memory rule left for the last generation batch."""
+    prefixflow = isinstance(trainer, PrefixFlowGRPOTrainer)
+    values = {k: getattr(trainer, k) if k.startswith("prefixflow_") else getattr(trainer.args, k)
+              for k in RAN_WITH if prefixflow or not k.startswith("prefixflow_")}
+    if hasattr(trainer, "_merge_cap"):
+        values["merge_cap"] = trainer._merge_cap
+    return values
+
+
+def offload_modes(logs: list[dict]) -> list[str]:
+    """The default memory rule's settings the logged steps ran (`prefixflow/offload_mode`, a step's mean when it
+    opened groups under several)."""
+    from hf_prefixflow.defaults import SETTING_NAMES
+
+    codes = sorted({log["prefixflow/offload_mode"] for log in logs if "prefixflow/offload_mode" in log})
+    return [SETTING_NAMES[int(c)] if float(c).is_integer() else f"mean {c:.2f}" for c in codes]
 
 
 def release(trainer) -> None:
@@ -176,21 +224,26 @@ def measure(point: Point, args, commit: str) -> dict:
     if not runs:
         return {**vars(point), "out_of_memory": out_of_memory}
     any_run = stock or pf
-    prefix, completion = prefix_length(point.ratio, args.completion), any_run["completion_mean"]
+    prefix, completion = prefix_length(point.ratio, point.completion), any_run["completion_mean"]
     accumulation = args.n // math.gcd(args.n, point.batch)
     groups = point.batch * accumulation // args.n
     shape = ModelShape.from_config(any_run["config"])
     flop_ratio = shape.full_sequence(prefix, [completion] * args.n) / shape.prefixflow(prefix, [completion] * args.n)
-    row = {"model": point.model, "P": prefix, "S": args.completion,
+    row = {"model": point.model, "P": prefix, "S": point.completion,
            "S_mean": round(completion, 1), "N": args.n, "batch": point.batch, "groups_per_step": groups,
            "checkpointing": point.checkpointing, "generation": point.generation, "out_of_memory": out_of_memory}
     for name, result in runs.items():
+        row[f"{name}_settings"] = result["settings"]
         row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
         row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
         row[f"{name}_warmup_steps_s"] = [round(t, 4) for t in result["warmup_steps"]]
         row[f"{name}_generation_s"] = round(statistics.median(result["generation"]), 4)
         row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
     row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if stock and pf else None
+    # the memory columns under benchmarks/results/trainer_step.json's names, and the memory rule's verdict
+    row["peak_gib_stock"], row["peak_gib_prefixflow"] = row.get("stock_peak_gib"), row.get("prefixflow_peak_gib")
+    if stock and pf and stock["peak_gib"] is not None:
+        row["peak_within_stock"] = pf["peak_gib"] <= stock["peak_gib"]
     row["flop_ratio"] = round(flop_ratio, 3)
     if stock:
         generation = row["stock_generation_s"]
@@ -198,6 +251,7 @@ def measure(point: Point, args, commit: str) -> dict:
     if pf:
         row["run_microbatches"], row["fallback_rows"] = pf["run_microbatches"], pf["fallback_rows"]
         row["suffix_recomputed"] = pf["suffix_recomputed"]  # prefixflow_suffix_checkpointing's choice (1: recomputed)
+        row["offload_modes"] = pf["offload_modes"]  # the default memory rule's settings (hf_prefixflow/defaults.py)
     row.update(config=args.config, prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
                gpu=device_name(), torch=torch.__version__, transformers=transformers.__version__, commit=commit,
                date=datetime.date.today().isoformat())
@@ -387,7 +441,7 @@ def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
         phases, ops[name] = profiled_step(trainer, args.warmup)
         release(trainer)
         rows += [{"trainer": name, **r} for r in phases]
-    meta = {"point": vars(point), "P": prefix_length(point.ratio, args.completion), "S": args.completion, "N": args.n,
+    meta = {"point": vars(point), "P": prefix_length(point.ratio, point.completion), "S": point.completion, "N": args.n,
             "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__,
             "transformers": transformers.__version__,
             "commit": commit, "date": datetime.date.today().isoformat()}
@@ -415,10 +469,13 @@ def options(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="qwen3-1.7b", help="comma-separated shapes of benchmarks/speed.py")
+    parser.add_argument("--models", default=None, help="comma-separated shapes of benchmarks/speed.py")
     parser.add_argument("--ratios", default="0.95", help="prefix ratios P / (P + S), comma-separated")
-    parser.add_argument("--batches", default="4,16", help="per_device_train_batch_size values, comma-separated")
-    parser.add_argument("--checkpointing", default="on", help="on, off or on,off")
+    parser.add_argument("--splits", default=None, help="P/S,... instead of --ratios and --completion")
+    parser.add_argument("--batches", default=None, help="per_device_train_batch_size values, comma-separated")
+    parser.add_argument("--checkpointing", default=None, help="on, off or on,off")
+    parser.add_argument("--memory-grid", action="store_true",
+                        help="default configs on both trainers over MEMORY_GRID (the other grid flags narrow it)")
     parser.add_argument("--generation", default="fixed", help="fixed, generate or fixed,generate")
     parser.add_argument("--completion", type=int, default=256, help="completion tokens S (max_completion_length)")
     parser.add_argument("--n", type=int, default=16, help="num_generations")
@@ -434,17 +491,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
     parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
-    parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today().isoformat()}_trainer_step")
-    parser.add_argument("--tag", default="trainer_step")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<tag>")
+    parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
+    grid = MEMORY_GRID if args.memory_grid else PLAIN_GRID
+    for key, value in grid.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.tiny:  # a few seconds a point on a laptop CPU
         args.completion, args.n, args.steps = min(args.completion, 8), min(args.n, 4), min(args.steps, 2)
         args.models = "tiny"
         args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= args.n) or "2"
     args.trainers = args.trainers.split(",")
-    commit, out = args.commit or git_commit(), pathlib.Path(args.out)
-    points = [Point(m, float(r), int(b), c == "on", g) for m, r, b, c, g in itertools.product(
-        args.models.split(","), args.ratios.split(","), args.batches.split(","), args.checkpointing.split(","),
+    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_{args.tag}")
+    commit = args.commit or git_commit()
+    if args.splits:  # (P / (P + S), S) per split
+        splits = [(p / (p + s), s) for p, s in (map(int, split.split("/")) for split in args.splits.split(","))]
+    else:
+        splits = [(float(r), args.completion) for r in args.ratios.split(",")]
+    if args.tiny:
+        splits = [(r, min(s, 8)) for r, s in splits]
+    points = [Point(m, r, int(b), c == "on", g, s) for m, (r, s), b, c, g in itertools.product(
+        args.models.split(","), splits, args.batches.split(","), args.checkpointing.split(","),
         args.generation.split(","))]
     if args.profile:
         profile(points[0], args, out, commit)
