@@ -30,7 +30,7 @@ from .errors import PrefixFlowError
 # `config.layer_types` values whose layers mix tokens only through attention.
 # (or not at all: a layer of only an MLP or MoE block, as NemotronH's)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "global", "local", "full", "sliding",
-                         "mlp", "moe", "chunked_attention"}  # chunks: the waves' masks keep them (`attention.chunk_size`)
+                         "mlp", "moe", "chunked_attention"}  # chunks: the waves' masks keep them (`chunk_size`)
 # Module class names of token mixers other than attention, and what each does.
 MIXER_PATTERNS = (
     (re.compile(r"Mamba|SSM|Mixer$"), "a state-space (Mamba) mixer carries a recurrent state across the sequence"),
@@ -578,7 +578,8 @@ def _reach(model: PreTrainedModel) -> ProbeResult:
 
 
 def _check_calls(model: PreTrainedModel, calls: list[tuple[torch.nn.Module, str, int | None]]) -> None:
-    """Refuse attention layers that run twice per forward, and sliding windows only the model's masks carry."""
+    """Refuse attention layers that run twice per forward, and sliding windows or chunks only the model's masks
+    carry."""
     owner = type(model).__name__
     text = model.config.get_text_config()
     window, kinds = _get(text, "sliding_window"), _get(text, "layer_types") or []
@@ -599,6 +600,14 @@ def _check_calls(model: PreTrainedModel, calls: list[tuple[torch.nn.Module, str,
                 "sliding_window (neither as an argument nor as an attribute): the window lives only in the masks "
                 "the model builds, and PrefixFlow builds its own masks for suffix waves, which would then attend "
                 "past the window. Train this model with the plain trainer (or with sliding_window=None)."
+            )
+        chunked = isinstance(index, int) and index < len(kinds) and kinds[index] == "chunked_attention"
+        if chunked and attention.chunk_size(module) is None:
+            raise PrefixFlowError(
+                f"{owner}: layer {index} is a chunked-attention layer but {name} ({type(module).__name__}) carries no "
+                "config with attention_chunk_size and its layer_idx: the chunks live only in the masks the model "
+                "builds, and PrefixFlow builds its own masks for suffix waves, which would then attend across chunks. "
+                "Train this model with the plain trainer."
             )
 
 

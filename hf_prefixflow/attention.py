@@ -129,30 +129,52 @@ def _check_call(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
         raise PrefixFlowError("output_attentions is not available inside a prefix group; call the model outside it.")
 
 
-def _wave_mask(wave: Wave, base: str, window: int | None, query: torch.Tensor, kv_length: int):
+def chunk_size(module: torch.nn.Module) -> int | None:
+    """The attention chunk of `module`'s layer, or None: in a `chunked_attention` layer (Llama 4) a token attends to
+    the keys of its own chunk of `config.attention_chunk_size` positions only, counted from the sequence's first token
+    (transformers' `chunked_overlay`). The layer's kind is read as transformers' masks read it: `layer_types`, or
+    every layer when the config has a chunk size and neither layer types nor a sliding window."""
+    config = getattr(module, "config", None)
+    try:
+        size = getattr(config, "attention_chunk_size", None)
+        if not isinstance(size, int) or isinstance(size, bool):
+            return None
+        kinds, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+        if kinds:
+            return size if isinstance(index, int) and index < len(kinds) and kinds[index] == "chunked_attention" \
+                else None
+        return size if getattr(config, "sliding_window", None) is None else None
+    except Exception:  # noqa: BLE001 - a config that refuses the read (per-layer attributes) has no chunks
+        return None
+
+
+def _wave_mask(wave: Wave, base: str, window: int | None, query: torch.Tensor, kv_length: int,
+               chunk: int | None = None):
     """The wave's visibility in the form the wrapped implementation consumes."""
-    if base == "sdpa" and wave.is_plain_causal and (window is None or window >= kv_length):
+    if base == "sdpa" and wave.is_plain_causal and (window is None or window >= kv_length) and chunk is None:
         return causal_lower_right(query.shape[2], kv_length)
     if base == "flex_attention":
-        return _block_mask(wave, window, query, kv_length)
-    visible = wave.visible(window)
+        return _block_mask(wave, window, query, kv_length, chunk)
+    visible = wave.visible(window) if chunk is None else wave.visible(window, chunk)
     if base == "eager":
         additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         return additive.masked_fill_(~visible, torch.finfo(query.dtype).min)
     return visible
 
 
-def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: int):
+def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: int, chunk: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     key_seg, key_pos = wave.key_geometry()
-    q_seg, q_pos, cached = wave.segment_ids, wave.position_ids, wave.cached_length
+    q_seg, q_pos, cached, first = wave.segment_ids, wave.position_ids, wave.cached_length, wave.position_offset
 
     def mask_mod(b, h, q, kv):
         own = (key_seg[b, kv] == q_seg[b, q]) & (key_seg[b, kv] >= 0) & (key_pos[b, kv] <= q_pos[b, q])
         allowed = (key_seg[b, kv] == PREFIX) | own
         if window is not None:
             allowed = allowed & (q_pos[b, q] - key_pos[b, kv] < window)
+        if chunk is not None:
+            allowed = allowed & ((q_pos[b, q] - first) // chunk == (key_pos[b, kv] - first) // chunk)
         return allowed | (kv - cached == q)
 
     return create_block_mask(mask_mod, query.shape[0], None, query.shape[2], kv_length, device=query.device)
@@ -175,12 +197,42 @@ def _check_prefix(cache: TrainingKVCache, module, key: torch.Tensor, value: torc
     return True
 
 
+def index_scaled_query(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`query` with Llama 4's attention temperature at the tokens' `positions` instead of their indices in the forward.
+
+    Llama 4's layers without RoPE multiply each query by `log1p(floor((i + 1) / floor_scale)) * attn_scale + 1`, `i`
+    the token's index in the forward's input plus the inference cache's length (`Llama4TextAttention`,
+    `attn_temperature_tuning`). PrefixFlow's forwards hold no such cache, so a wave's tokens get their index in the
+    wave, and a left-padded prompt's Phase A its index without the padding; the full sequence gives each token its
+    index in `[P || S]`, which is its position. Other modules: `query` as it is.
+
+    Args:
+        module: the attention module; acts where it has `attn_temperature_tuning` on and `use_rope` off.
+        query: `[B, H, S, D]`, scaled at indices `0 .. S-1`.
+        positions: `[B, S]` or `[1, S]` int, each token's index in its full sequence.
+
+    Returns:
+        `[B, H, S, D]` in `query`'s dtype.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+
+    def temperature(index: torch.Tensor) -> torch.Tensor:  # as the module computes it, from float positions
+        return torch.log1p(torch.floor((index.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    index = torch.arange(query.shape[2], device=query.device)
+    ratio = temperature(positions.to(query.device)) / temperature(index)
+    return (query * ratio[:, None, :, None]).to(query.dtype)
+
+
 def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, base_fn, dropout, scaling, kwargs):
     cache = marker.cache
+    query = index_scaled_query(module, query, marker.wave.position_ids)
     cached = _check_prefix(cache, module, key, value)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    chunk = chunk_size(module)
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    if cached and plain and base == "sdpa" and marker.wave.is_plain_causal \
+    if cached and plain and base == "sdpa" and marker.wave.is_plain_causal and chunk is None \
             and (window is None or window >= cache.prefix_length + key.shape[2]):
         query, key, value = _autocast_inputs(query, key, value)
         kernel = split_attention.kernel_for(query, key, value)
@@ -192,7 +244,7 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
         batch = query.shape[0]
         key = torch.cat([leaves[0].expand(batch, -1, -1, -1), key], dim=2)
         value = torch.cat([leaves[1].expand(batch, -1, -1, -1), value], dim=2)
-    mask = _wave_mask(marker.wave, base, window, query, key.shape[2])
+    mask = _wave_mask(marker.wave, base, window, query, key.shape[2], chunk)
     if isinstance(mask, CausalBias) and plain:
         return _bottom_right_sdpa(query, key, value, mask, scaling), None
     return base_fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -294,6 +346,9 @@ def _marked_attention(module, query, key, value, attention_mask, marker, base: s
     _check_call(module, dropout, kwargs)
     if isinstance(marker, PrefixPass):
         marker.cache.capture(module.layer_idx, key, value)
+        offset = getattr(marker.cache, "position_offset", 0)
+        if offset:  # the prompt's first token sits at `offset` in the left-padded full sequence
+            query = index_scaled_query(module, query, offset + torch.arange(query.shape[2], device=query.device)[None])
         replayed = _replayed_prefix_attention(module, query, key, value, attention_mask, marker, base, scaling, kwargs)
         if replayed is not None:
             return replayed, None

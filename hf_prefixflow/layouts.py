@@ -5,7 +5,7 @@ the prefix's last token and the other `P' = P - 1` prefix tokens sit in the cach
 `s_t`, exactly like position `P-1+t` of the full sequence `[P || s]`. Every layout reduces to two per-token arrays,
 `segment_ids` (-1 marks padding) and absolute `position_ids`, from which one predicate decides visibility: a query
 sees every cached prefix key and, causally, the real keys of its own segment, all within the layer's sliding window if
-it has one.
+it has one, and within the query's own chunk in a chunked-attention layer.
 """
 
 from __future__ import annotations
@@ -57,20 +57,24 @@ class Wave:
         """Right-padded rows with one suffix each: bottom-right causality alone gives every real query its keys."""
         return not self.packed
 
-    def visible(self, window: int | None) -> torch.Tensor:
+    def visible(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
         """Which keys each query attends to: every cached prefix key and, causally, the real keys of its own
-        segment, within `window` if given. A padding query sees itself, so no softmax row is empty.
+        segment, within `window` if given, and within the query's chunk if `chunk` is given. A padding query sees
+        itself, so no softmax row is empty.
 
         Args:
             window: the layer's sliding window in tokens, or None.
+            chunk: the layer's attention chunk in tokens (Llama 4's chunked layers), or None: a query sees only the
+                keys whose position lies in its chunk, `(position - position_offset) // chunk`.
 
         Returns:
-            Bool `[B, 1, S, P'+S]` over the keys `[cached prefix ; wave]`, built once per window and shared by the
-            layers.
+            Bool `[B, 1, S, P'+S]` over the keys `[cached prefix ; wave]`, built once per window and chunk and
+            shared by the layers.
         """
-        if window not in self._masks:
-            self._masks[window] = self._build(window)
-        return self._masks[window]
+        key = window if chunk is None else (window, chunk)
+        if key not in self._masks:
+            self._masks[key] = self._build(window) if chunk is None else self._build(window, chunk)
+        return self._masks[key]
 
     def key_geometry(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Segment ids and positions of the keys `[cached prefix ; wave]`.
@@ -83,7 +87,7 @@ class Wave:
         prefix_seg = torch.full_like(prefix_pos, PREFIX)
         return (torch.cat([prefix_seg, self.segment_ids], dim=1), torch.cat([prefix_pos, self.position_ids], dim=1))
 
-    def _build(self, window: int | None) -> torch.Tensor:
+    def _build(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
         key_seg, key_pos = self.key_geometry()
         q_seg, q_pos = self.segment_ids[:, :, None], self.position_ids[:, :, None]
         k_seg, k_pos = key_seg[:, None, :], key_pos[:, None, :]
@@ -91,6 +95,8 @@ class Wave:
         allowed = (k_seg == PREFIX) | own
         if window is not None:
             allowed &= q_pos - k_pos < window
+        if chunk is not None:  # chunks count from the sequence's first token, as transformers' chunked masks do
+            allowed &= (q_pos - self.position_offset) // chunk == (k_pos - self.position_offset) // chunk
         # A padding query sees at least itself, so no softmax row is empty (its output is never used).
         size = self.input_ids.shape[1]
         allowed[:, :, self.cached_length :] |= torch.eye(size, dtype=torch.bool, device=allowed.device)

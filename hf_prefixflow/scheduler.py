@@ -153,6 +153,7 @@ class PrefixGroup:
         if prefix_inputs or getattr(self._inner, "_prefixflow_prefix_lm", False):  # see `multimodal.check`
             self.runner = self._multimodal_runner(runner, prefix_inputs or {})
         self.cache = TrainingKVCache(self.prefix_ids.shape[1] - 1, kv_grad_dtype(model))
+        self.cache.position_offset = self.position_offset  # Phase A's positions (`attention.index_scaled_query`)
         self.state = "new"  # -> "open" -> "closed"
         self.trains = False
         # Per group, overriding the model's `suffix_checkpointing` (None: follow it); a trainer may set it per run.

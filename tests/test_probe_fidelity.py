@@ -4,16 +4,19 @@ kinds, windows and chunks), so that a wave path that mishandles one of them is r
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 import hf_prefixflow
 from hf_prefixflow import PrefixFlowError, architecture
 from hf_prefixflow import model as model_module
+from equivalence import assert_rel_close, assert_same_gradients, gradients, pad, random_group, token_loss
 from models import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,4 +143,179 @@ def test_the_probe_prompt_reaches_past_windows_and_chunks():
     waves."""
     assert architecture._PROBE_PREFIX > 2 * 4 and min(architecture._PROBE_SUFFIXES[:1]) > 4
     assert len(architecture._PROBE_WAVES) >= 2
-    assert sorted(i for wave in architecture._PROBE_WAVES for i in wave) == list(range(len(architecture._PROBE_SUFFIXES)))
+    rows = sorted(i for wave in architecture._PROBE_WAVES for i in wave)
+    assert rows == list(range(len(architecture._PROBE_SUFFIXES)))
+
+
+# ---- Llama 4: chunked attention and the attention temperature ----------------------------------------------------
+
+def test_llama4_text_trains_exactly_with_chunks_and_its_temperature():
+    """Llama 4's chunked layers (a suffix token sees the prefix keys of its own chunk only) and its NoPE layer's
+    query temperature, both at tiny scales (chunks and temperature steps of 4 positions): exact, SGD steps over padded
+    and packed waves."""
+    config = transformers.Llama4TextConfig()
+    tiny = architecture.tiny_config(config)
+    assert "chunked_attention" in tiny.layer_types and "full_attention" in tiny.layer_types
+    assert tiny.attention_chunk_size == 4 and tiny.floor_scale == 4 and tiny.attn_temperature_tuning
+    outcome, detail, _ = families.run_variant(transformers.Llama4ForCausalLM, config)
+    assert outcome == families.EXACT, detail
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_probe_refuses_waves_that_ignore_the_chunks(monkeypatch, attn):
+    """The broken variant: waves whose masks ignore the chunk (suffix tokens see the whole prefix) are refused."""
+    from hf_prefixflow import attention
+
+    assert architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn).skipped \
+        is None
+    original = attention._wave_mask
+    monkeypatch.setattr(attention, "_wave_mask", lambda wave, base, window, query, kv_length, chunk=None:
+                        original(wave, base, window, query, kv_length))
+    with pytest.raises(PrefixFlowError, match="does not match full sequences"):
+        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn)
+
+
+def test_the_probe_refuses_waves_that_keep_the_temperature_at_the_wave_index(monkeypatch):
+    """The broken variant: a wave's NoPE queries keep the temperature of their index in the wave (what the module
+    computes without an inference cache) instead of their position: refused, chunks handled."""
+    from hf_prefixflow import attention
+
+    monkeypatch.setattr(attention, "index_scaled_query", lambda module, query, positions: query)
+    with pytest.raises(PrefixFlowError, match="does not match full sequences"):
+        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
+
+
+def test_chunk_masks_match_transformers_chunked_mask():
+    """`Wave.visible` with a chunk against transformers' own chunked causal mask function on the full left-padded
+    sequence: the same keys, padded and packed waves, with a left-padding offset."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from hf_prefixflow import layouts
+
+    chunk, offset, cached = 3, 2, 7
+    last = torch.tensor([[5]])
+    full = chunked_causal_mask_function(chunk, torch.tensor([offset]))
+    zero = torch.tensor(0)
+
+    def sees(q_position: int, k_position: int) -> bool:  # positions count the left padding, as a padded row's index
+        return bool(full(zero, zero, torch.tensor(q_position), torch.tensor(k_position)))
+
+    suffixes = [torch.arange(3, 3 + n) for n in (5, 2, 4)]
+    waves = [layouts.padded_wave(last, torch.stack([torch.arange(3, 8), torch.arange(3, 8)]),
+                                 torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]), cached, offset),
+             layouts.packed_wave(last, suffixes, cached, offset)]
+    for wave in waves:
+        visible = wave.visible(None, chunk)[:, 0]
+        key_segments, key_positions = wave.key_geometry()
+        for b in range(visible.shape[0]):
+            for q in range(visible.shape[1]):
+                if wave.segment_ids[b, q] < 0:
+                    continue  # padding queries: their outputs are never read
+                for k in range(visible.shape[2]):
+                    segment = key_segments[b, k]
+                    related = segment == layouts.PREFIX or segment == wave.segment_ids[b, q]
+                    expected = bool(related) and sees(int(wave.position_ids[b, q]), int(key_positions[b, k]))
+                    assert bool(visible[b, q, k]) is expected, (b, q, k)
+
+
+def _left_padded_llama4(gen: torch.Generator) -> tuple[torch.nn.Module, list, int]:
+    # layer 0 without RoPE (temperature-tuned, full attention), layer 1 chunked: the NoPE layer's prompt queries feed
+    # the next layer's prompt K/V, so Phase A's temperature shows in the gradients
+    config = transformers.Llama4TextConfig(num_hidden_layers=2, no_rope_layers=[0, 1])
+    model = architecture.build_tiny(transformers.Llama4ForCausalLM, config, "sdpa").train()
+    assert model.config.layer_types == ["full_attention", "chunked_attention"]
+    groups = [random_group(gen, prefix=(6, 13), suffix=(2, 7), n=(2, 3)) for _ in range(2)]
+    return model, groups, max(len(g.prefix) for g in groups) + 3
+
+
+def _left_padded_loss(model, groups, width: int, gen: torch.Generator) -> float:
+    """What TRL runs: prompts left-padded to a common width (positions, chunks and temperatures count from the row's
+    start), completions right-padded, one batch."""
+    rows, masks, spans = [], [], []
+    for group in groups:
+        left = width - len(group.prefix)
+        for suffix, weights in zip(group.suffixes, group.weights):
+            rows.append(torch.cat([torch.randint(0, 97, (left,), generator=gen), group.prefix, suffix]))
+            masks.append(torch.cat([torch.zeros(left, dtype=torch.long), torch.ones(len(rows[-1]) - left,
+                                                                                      dtype=torch.long)]))
+            spans.append((width - 1, suffix, weights))
+    ids, real = pad(rows, gen)
+    mask = pad(masks, gen)[0] * real
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    loss = sum(token_loss(logits[r, start:start + len(s)], s, w) for r, (start, s, w) in enumerate(spans))
+    loss.backward()
+    return loss.item()
+
+
+def _prefixflow_loss(model, groups, width: int, gen: torch.Generator) -> float:
+    total = 0.0
+    with hf_prefixflow.GroupSession(model) as session:
+        opened = [session.open(g.prefix, position_offset=width - len(g.prefix)) for g in groups]
+        for group, handle in zip(groups, opened):
+            ids, mask = pad(group.suffixes[:1], gen)
+            logits = handle(ids, attention_mask=mask).logits
+            loss = token_loss(logits[0, :len(group.suffixes[0])], group.suffixes[0], group.weights[0])
+            out = handle.packed(group.suffixes[1:])
+            loss = loss + sum(token_loss(lg, s, w) for lg, s, w in zip(out.split(out.logits), group.suffixes[1:],
+                                                                          group.weights[1:]))
+            loss.backward()
+            total += loss.item()
+    return total
+
+
+def test_llama4_left_padded_prompts_train_exactly():
+    """Prompts left-padded as TRL batches them: chunks and the NoPE layer's temperature count from the row's start
+    (the prompt's first token sits at its `position_offset`), in Phase A and in padded and packed waves."""
+    with architecture.float64_throughout():
+        gen = torch.Generator().manual_seed(4)
+        model, groups, width = _left_padded_llama4(gen)
+        candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
+        ref_loss = _left_padded_loss(model, groups, width, gen)
+        pf_loss = _prefixflow_loss(candidate, groups, width, gen)
+    assert_rel_close(pf_loss, ref_loss, "loss")
+    assert_same_gradients(gradients(candidate), gradients(model))
+
+
+def test_llama4_left_padded_prompts_need_phase_a_at_its_offset(monkeypatch):
+    """The broken variant: Phase A's NoPE queries keep the temperature of their index in the unpadded prompt."""
+    original = hf_prefixflow.scheduler.PrefixGroup.__init__
+
+    def unshifted(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.cache.position_offset = 0
+
+    monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "__init__", unshifted)
+    with architecture.float64_throughout():
+        gen = torch.Generator().manual_seed(4)
+        model, groups, width = _left_padded_llama4(gen)
+        candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
+        ref_loss = _left_padded_loss(model, groups, width, gen)
+        pf_loss = _prefixflow_loss(candidate, groups, width, gen)
+    with pytest.raises(AssertionError):
+        assert_rel_close(pf_loss, ref_loss, "loss")
+        assert_same_gradients(gradients(candidate), gradients(model))
+
+
+def test_a_chunked_layer_whose_attention_hides_its_chunk_is_refused(monkeypatch):
+    """A chunked layer whose attention module carries no config PrefixFlow can read the chunk from: refused, naming
+    the module (its waves would attend across chunks)."""
+    from transformers.models.llama4 import modeling_llama4
+
+    original = modeling_llama4.Llama4TextAttention.__init__
+
+    class Hiding:  # the module's config, without the chunk size
+        def __init__(self, config):
+            self.__dict__["_config"] = config
+
+        def __getattr__(self, name):
+            if name == "_config" or name.startswith("__"):  # copies look for these before `_config` is set
+                raise AttributeError(name)
+            return None if name == "attention_chunk_size" else getattr(self._config, name)
+
+    def configless(self, config, layer_idx):
+        original(self, config, layer_idx)
+        self.config = Hiding(config)
+
+    monkeypatch.setattr(modeling_llama4.Llama4TextAttention, "__init__", configless)
+    with pytest.raises(PrefixFlowError, match=r"layer 0 is a chunked-attention layer but .*Llama4TextAttention"):
+        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
