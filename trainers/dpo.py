@@ -198,12 +198,15 @@ class PairScorer:
             full forward does (zero where the label is -100); `loss` as TRL's head computes it.
         """
         shared, plain = self.pairs(input_ids, lengths, pair_index)
+        plain.sort()  # batch order: with no pair shared, the plain forward is the stock one, row for row
         rows: dict[int, dict[str, torch.Tensor | None]] = {}
         width = input_ids.shape[1] - 1
         if plain:
             self.count_fallback("common prefix below prefixflow_min_prefix_tokens or prefixflow_min_speedup",
                                 len(plain))
             index = torch.tensor(plain, device=input_ids.device)
+            if len(plain) == input_ids.shape[0]:
+                index = slice(None)  # every row: the batch itself, no copy
             with _inside_path():
                 out = fused(input_ids=input_ids[index], attention_mask=attention_mask[index], labels=labels[index],
                             fused_lm_head=True, use_cache=False)
@@ -404,6 +407,8 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         if self.aux_loss_enabled or getattr(unwrap(self.model).config.get_text_config(), "output_router_logits",
                                             False):
             return "MoE router auxiliary loss"
+        if self.args.torch_compile:
+            return "torch_compile (the whole model compiled as one module)"
         if self.args.activation_offloading:
             return "activation_offloading (TRL's saved-tensor hooks)"
         peft_config = getattr(self.model, "peft_config", None)

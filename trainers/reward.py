@@ -131,12 +131,15 @@ class RewardPairScorer(PairScorer):
             `SequenceClassifierOutputWithPast` with `logits [2B, num_labels]`, in batch order.
         """
         shared, plain = self.pairs(input_ids, lengths, pair_index)
+        plain.sort()  # batch order: with no pair shared, the plain forward is the stock one, row for row
         reads = read_positions(input_ids, pad_token_id)
         rows: dict[int, torch.Tensor] = {}
         if plain:
             self.count_fallback("common prefix below prefixflow_min_prefix_tokens or prefixflow_min_speedup",
                                 len(plain))
             index = torch.tensor(plain, device=input_ids.device)
+            if len(plain) == input_ids.shape[0]:
+                index = slice(None)  # every row: the batch itself, no copy
             with _inside_path():
                 out = forward(input_ids=input_ids[index], attention_mask=attention_mask[index], use_cache=False)
             rows.update({row: out.logits[i] for i, row in enumerate(plain)})
@@ -227,6 +230,8 @@ class PrefixFlowRewardTrainer(RewardTrainer):
                     "the rightmost non-pad token)")
         if getattr(inner.config.get_text_config(), "output_router_logits", False):
             return "MoE router auxiliary loss"
+        if self.args.torch_compile:
+            return "torch_compile (the whole model compiled as one module)"
         if self.args.activation_offloading:
             return "activation_offloading (TRL's saved-tensor hooks)"
         peft_config = getattr(self.model, "peft_config", None)
