@@ -300,3 +300,35 @@ def test_reference_pass_without_the_prefix_is_caught(one_thread, base, tmp_path,
     pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
     with pytest.raises(AssertionError, match="grad"):
         assert_aligned(stock, pf)
+
+
+# -- the plain path ------------------------------------------------------------------------------------------------
+
+
+def test_keep_end_truncation_pairs_found_from_their_tokens(one_thread, base, tmp_path):
+    """`keep_end` cuts each row's start on its own, so the two rows of a pair no longer begin alike (or share only a
+    tail-aligned part): the common prefix is found from the tokens, pairs sharing too little take the plain path."""
+    overrides = dict(max_length=24, truncation_mode="keep_end", max_steps=1)
+    stock = train(build(DPOTrainer, base, tmp_path, **overrides))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, **overrides))
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/fallback_rows") > 0
+
+
+def test_scoring_off_leaves_the_reference_pass_to_trl(one_thread, base, tmp_path):
+    stock = train(build(DPOTrainer, base, tmp_path, max_steps=1))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1, prefixflow={"prefixflow_scoring": False}))
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/groups") > 0 and metric(pf[3], "prefixflow/scoring_groups") == 0
+
+
+def test_forwards_the_pairs_cannot_reproduce_take_the_plain_path():
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids, "fused_lm_head": True,
+             "use_cache": False}
+    assert pf_dpo._call_reason(batch) is None
+    assert pf_dpo._call_reason({**batch, "return_dict": True}) is None  # PEFT's
+    assert pf_dpo._call_reason({**batch, "pixel_values": torch.zeros(1)}) == "forward arguments ['pixel_values']"
+    assert pf_dpo._call_reason({**batch, "input_ids": ids[:3]}) == "not a preference batch of chosen and rejected rows"
+    assert pf_dpo.right_padded_lengths(torch.tensor([[1, 1, 0], [1, 0, 0]])) == [2, 1]
+    assert pf_dpo.right_padded_lengths(torch.tensor([[0, 1, 1], [1, 0, 0]])) is None  # left padding

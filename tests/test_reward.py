@@ -177,3 +177,13 @@ def test_suffixes_without_the_prefix_are_caught(one_thread, tmp_path, monkeypatc
     pf = train(build(PrefixFlowRewardTrainer, base, tmp_path, max_steps=1))
     with pytest.raises(AssertionError, match="loss|grad"):
         assert_aligned(stock, pf)
+
+
+def test_forwards_the_pairs_cannot_reproduce_take_the_plain_path():
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    assert pf_reward._call_reason({**batch, "margin": torch.zeros(2)}) is None  # a loss input the model ignores
+    assert pf_reward._call_reason({**batch, "output_hidden_states": True}) == \
+        "forward arguments ['output_hidden_states']"
+    assert pf_reward._call_reason({**batch, "input_ids": ids[:3]}) == \
+        "not a preference batch of chosen and rejected rows"
