@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import types
 import warnings
 from dataclasses import dataclass
@@ -312,3 +313,22 @@ def generic_sequence_classifier(model: torch.nn.Module) -> bool:
 
     return isinstance(model, GenericForSequenceClassification) and isinstance(getattr(model, "score", None),
                                                                                torch.nn.Module)
+
+
+@contextlib.contextmanager
+def sdpa_grouped_by_shapes():
+    """Inside: transformers' `sdpa` attention groups query heads over key/value heads by the tensors' head counts
+    (`enable_gqa`), as its `flex_attention` does, instead of repeating K/V `module.num_key_value_groups` times
+    (`integrations.sdpa_attention.use_gqa_in_sdpa` reads `TRANSFORMERS_SDPA_FORCE_GQA` per call). A model whose K/V
+    carry more heads than `num_key_value_heads` says (DeepSeek's MLA) runs under flex_attention but not under sdpa's
+    repeat; the probe stands sdpa in for flex on the CPU."""
+    name = "TRANSFORMERS_SDPA_FORCE_GQA"
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -491,8 +491,11 @@ def probe(model: PreTrainedModel) -> ProbeResult:
     base = attention.base_name(model.config._attn_implementation)
     key = (type(model), base, model.config.to_json_string(use_diff=False))
     if key not in _probed:
-        with torch.random.fork_rng(devices=[]):  # the copy's random weights leave the caller's CPU stream as it was
-            _probed[key] = _run_probe(type(model), model.config, "sdpa" if base == "flex_attention" else base)
+        # flex_attention has no backward on a CPU: sdpa stands in, grouping K/V heads by their shapes as flex does
+        flex = base == "flex_attention"
+        with torch.random.fork_rng(devices=[]), compat.sdpa_grouped_by_shapes() if flex else contextlib.nullcontext():
+            # (the copy's random weights leave the caller's CPU stream as it was)
+            _probed[key] = _run_probe(type(model), model.config, "sdpa" if flex else base)
     return _probed[key]
 
 
@@ -522,8 +525,8 @@ def _probe_tiny(model_cls: type, config, attn: str) -> ProbeResult:
         with torch.no_grad():
             reference(input_ids=ids)
     except Exception as exc:  # noqa: BLE001 - any failure to build or run the copy means "could not probe"
-        return ProbeResult(skipped=f"a tiny {owner} could not be built or run ({type(exc).__name__}: "
-                                   f"{str(exc)[:200]})")
+        return ProbeResult(skipped=f"a tiny {owner} could not be built or run with attention {attn!r} "
+                                   f"({type(exc).__name__}: {str(exc)[:200]})")
     candidate = copy.deepcopy(reference)
     enable(candidate)
     result = _reach(candidate)

@@ -4,7 +4,9 @@ kinds, windows and chunks), so that a wave path that mishandles one of them is r
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import sys
 from pathlib import Path
 
@@ -84,6 +86,30 @@ def test_the_tiny_copy_keeps_head_size_relations():
 
 def _deepseek(kv_heads: int, v_head_dim: int) -> transformers.DeepseekV3Config:
     return transformers.DeepseekV3Config(num_key_value_heads=kv_heads, v_head_dim=v_head_dim)
+
+
+def _deepseek_on_meta(attn: str) -> torch.nn.Module:
+    """DeepSeek-V3 (three layers, its head sizes) with 16 key/value heads for 128 query heads, on the meta device."""
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(num_hidden_layers=3,
+                                                                                 num_key_value_heads=16))
+    model.set_attn_implementation(attn)
+    return model
+
+
+def test_deepseek_v3_with_fewer_kv_heads_is_accepted_under_flex_attention(monkeypatch):
+    """Under flex_attention (K/V heads grouped by the tensors' shapes) DeepSeek-V3 runs with any
+    `num_key_value_heads`; the probe's sdpa stand-in groups by shapes as flex does and verifies it. Under sdpa and
+    eager, which repeat K/V by `num_key_value_heads`, the model itself fails, and the refusal names the attention.
+    The broken variant: an sdpa stand-in that repeats K/V cannot run the copy, and a flex model was refused."""
+    monkeypatch.setattr(architecture, "_probed", {})
+    hf_prefixflow.apply_prefixflow(_deepseek_on_meta("flex_attention"))
+    with pytest.raises(PrefixFlowError, match=r"could not be built or run with attention 'sdpa'.*size of tensor"):
+        hf_prefixflow.apply_prefixflow(_deepseek_on_meta("sdpa"))
+    monkeypatch.setattr(architecture, "_probed", {})
+    monkeypatch.setattr(architecture.compat, "sdpa_grouped_by_shapes", contextlib.nullcontext)
+    with pytest.raises(PrefixFlowError, match="could not verify DeepseekV3ForCausalLM"):
+        hf_prefixflow.apply_prefixflow(_deepseek_on_meta("flex_attention"))
 
 
 def test_deepseek_v3_with_fewer_kv_heads_is_probed_like_the_model_runs():
@@ -190,7 +216,7 @@ def test_chunk_masks_match_transformers_chunked_mask():
     sequence: the same keys, padded and packed waves, with a left-padding offset."""
     from transformers.masking_utils import chunked_causal_mask_function
 
-    from hf_prefixflow import layouts
+    from hf_prefixflow import attention, layouts
 
     chunk, offset, cached = 3, 2, 7
     last = torch.tensor([[5]])
@@ -216,6 +242,11 @@ def test_chunk_masks_match_transformers_chunked_mask():
                     related = segment == layouts.PREFIX or segment == wave.segment_ids[b, q]
                     expected = bool(related) and sees(int(wave.position_ids[b, q]), int(key_positions[b, k]))
                     assert bool(visible[b, q, k]) is expected, (b, q, k)
+        # flex_attention's block mask (its backward does not run on a CPU) decides each pair as the dense mask does
+        query = torch.zeros(visible.shape[0], 1, visible.shape[1], 8)
+        mask_mod = attention._block_mask(wave, None, query, visible.shape[2], chunk).mask_mod
+        for b, q, k in itertools.product(*(range(n) for n in visible.shape)):
+            assert bool(mask_mod(*(torch.tensor(i) for i in (b, 0, q, k)))) is bool(visible[b, q, k]), (b, q, k)
 
 
 def _left_padded_llama4(gen: torch.Generator) -> tuple[torch.nn.Module, list, int]:
