@@ -291,6 +291,29 @@ class RoutingRecorder:
         """Record one router call's top-k indices `[B*t, k]` for `layer_idx` (detached)."""
         self.calls.setdefault(layer_idx, []).append(indices.detach())
 
+    def gap(self, batch_size: int, layers: list[int] | None = None) -> str | None:
+        """Why the recording cannot be read as forwards of `batch_size` rows through `layers`, or None if it can.
+
+        Args:
+            batch_size: B, the rows every recorded call should have run.
+            layers: the layers whose routers should have run (e.g. those `routers` finds); None: any that did.
+
+        Returns:
+            A sentence naming the gap (no router ran, some layers' routers did not, a call routed a token count
+            that is not a multiple of B, or the layers' routers ran different token counts), or None.
+        """
+        if not self.calls:
+            return "no router ran while recording"
+        missing = sorted(set(layers or ()) - set(self.calls))
+        if missing:
+            return f"the routers of layers {missing} did not run while recording"
+        counts = {tuple(c.shape[0] for c in calls) for calls in self.calls.values()}
+        if any(n % batch_size for ns in counts for n in ns):
+            return f"a router call routed a token count that is not a multiple of the {batch_size} rows"
+        if len(counts) > 1:
+            return "the layers' routers ran different token counts while recording"
+        return None
+
     def routes(self, batch_size: int, num_layers: int) -> torch.Tensor:
         """The recorded routes, each call's tokens reshaped to `[B, t, k]` and joined along T (prefill, then one
         call per decoded token).
@@ -300,17 +323,22 @@ class RoutingRecorder:
             num_layers: the decoder's layer count.
 
         Returns:
-            int64 `[num_layers, B, T, k]`; layers without a router hold zeros.
+            int64 `[num_layers, B, T, k]`; layers whose router recorded nothing (dense layers) hold -1 (route
+            afresh).
 
         Raises:
-            PrefixFlowError: no router ran while recording.
+            PrefixFlowError: no router ran while recording, or the calls cannot be read as `batch_size` rows
+                (`gap`).
         """
         if not self.calls:
             raise PrefixFlowError("no router ran while recording; is this an MoE model with a supported router?")
+        gap = self.gap(batch_size)
+        if gap is not None:
+            raise PrefixFlowError(f"the recorded routing cannot be read as {batch_size} rows: {gap}.")
         per_layer = {l: torch.cat([c.reshape(batch_size, -1, c.shape[-1]) for c in calls], dim=1)
                      for l, calls in self.calls.items()}
         sample = next(iter(per_layer.values()))
-        out = sample.new_zeros((num_layers, *sample.shape))
+        out = sample.new_full((num_layers, *sample.shape), -1)
         for layer_idx, routes in per_layer.items():
             out[layer_idx] = routes
         return out

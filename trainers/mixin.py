@@ -193,7 +193,7 @@ class PrefixFlowTrainerMixin:
         self._known_routers = bool(moe.routers(unwrap(self.model)))
         self._replay = self.prefixflow_routing_replay and self._known_routers
         self._routes: torch.Tensor | str | None = None  # routes of the rows being scored or trained
-        self._turns, self._turn_lengths, self._routes_prompt_width = 0, [], 0  # generation's turns (tool calls)
+        self._turns, self._recording = 0, None  # generation's turns (tool calls), its first turn's recording
         if self._replay:
             moe.check_replay_supported(unwrap(self.model))
         # Runs (`_run_loss`): one process or plain DDP, text-only; ZeRO, FSDP2, SP and split groups keep TRL's
@@ -304,8 +304,8 @@ class PrefixFlowTrainerMixin:
 
     def _generate_recording_routes(self, prompt_ids, *args, **kwargs):
         """TRL's `_generate_single_turn(prompt_ids, *args, **kwargs)`, its output as is; on the first turn of
-        transformers generation the routes are recorded into `self._routes`, `[B, layers, prompt width +
-        completion width, k]`."""
+        transformers generation the routes are recorded into `self._recording` (`routing.record_turn`: routes
+        `[B, layers, prompt width + completion width, k]`, or the gap that makes the rows route afresh)."""
         first, self._turns = self._turns == 0, self._turns + 1
         # Recorded: the first turn of transformers generation. Tool calls' later turns run from prompts the recording
         # does not cover, and vLLM or continuous batching route outside this process's routers.
@@ -313,15 +313,13 @@ class PrefixFlowTrainerMixin:
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         with moe.record_routing() as recorder:
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-        completion_ids = self._turn_completions(out)
+        # A recording that cannot stand for the rows (a gap) is kept as such: `_generate` lets them route afresh.
         config = unwrap(self.model).config.get_text_config()
-        prefill = next(iter(recorder.calls.values()))[0]  # the first call runs the left-padded prompts
-        self._routes_prompt_width = prefill.shape[0] // len(prompt_ids)
-        self._routes = routing.assemble(recorder, len(prompt_ids), self._routes_prompt_width,
-                                        max(len(c) for c in completion_ids), config.num_hidden_layers,
-                                        self._turn_generations(prompt_ids, *args, **kwargs),
-                                        config.num_experts_per_tok)
-        self._turn_lengths = [len(c) for c in completion_ids]
+        self._recording = routing.record_turn(
+            recorder, prompt_ids, self._turn_completions(out), config.num_hidden_layers,
+            sorted({layer for layer, _, _ in moe.routers(unwrap(self.model))}),
+            self._turn_generations(prompt_ids, *args, **kwargs), config.num_experts_per_tok,
+            getattr(self, "pad_to_multiple_of", None))
         return out
 
     def _turn_completions(self, out) -> list[list[int]]:
@@ -335,22 +333,14 @@ class PrefixFlowTrainerMixin:
                                   "`_generate_single_turn` generates (`_turn_generations`).")
 
     def _generate(self, prompts):
-        self._turns, self._routes = 0, None
+        self._turns, self._routes, self._recording = 0, None, None
         out = super()._generate(prompts)
-        if self._replay:
-            completion_ids = out[1]
-            if self._routes is None:
-                self._routes = routing.UNRECORDED
-                self._count_fallback("MoE routing replay: rollouts from custom rollouts, vLLM or continuous batching "
-                                     "carry no recorded routes and route afresh", len(completion_ids))
-            elif self._turns > 1:
-                lengths = [len(c) for c in completion_ids]
-                self._routes = routing.first_turn_only(self._routes, self._routes_prompt_width, self._turn_lengths,
-                                                       max(lengths))
-                later = sum(n > first for n, first in zip(lengths, self._turn_lengths))
-                if later:
-                    self._count_fallback("MoE routing replay: tool results and the turns after them route afresh",
-                                         later)
+        if self._replay:  # the recording aligned with the rollouts (prompts first, completions second); never raises
+            self._routes, fallbacks = routing.for_rollouts(self._recording, out[0], out[1],
+                                                           getattr(self, "pad_to_multiple_of", None))
+            for reason, rows in fallbacks:
+                self._count_fallback(reason, rows)
+        self._recording = None
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -360,7 +350,9 @@ class PrefixFlowTrainerMixin:
             routes, width = self._routes, batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
             if routes is not routing.UNRECORDED and (routes is None or routes.shape[0] != batch["prompt_ids"].shape[0]
                                                      or routes.shape[2] != width):
-                raise PrefixFlowError("the recorded routes do not match the generated batch; replay cannot proceed.")
+                self._count_fallback(f"{routing.FALLBACK}: the recorded routes do not match the generated batch; it "
+                                     "routes afresh", batch["prompt_ids"].shape[0])
+                routes = routing.UNRECORDED
             batch[routing.BATCH_KEY] = None if routes is routing.UNRECORDED else routes
         self._routes = None
         return batch
@@ -382,7 +374,9 @@ class PrefixFlowTrainerMixin:
             return None
         routes = self._routes
         if routes is None or routes.shape[0] != input_ids.shape[0] or routes.shape[2] != input_ids.shape[1]:
-            raise PrefixFlowError("MoE routing replay data is missing for this forward; refusing to re-route.")
+            self._count_fallback(f"{routing.FALLBACK}: no recorded routes match this forward's rows; they route afresh",
+                                 input_ids.shape[0])
+            return None
         return routes.to(input_ids.device)
 
     # -- data flow: whole groups ------------------------------------------------------------------------------
@@ -968,7 +962,12 @@ class PrefixFlowTrainerMixin:
     def _count_fallback(self, reason: str, rows: int) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
-        if not self._fallbacks[reason]:
+        afresh = reason.startswith(routing.FALLBACK)  # MoE rows that route afresh instead of replaying generation's
+        if afresh:
+            self._metrics[mode]["prefixflow/routing_fallbacks"].append(float(rows))
+        if not self._fallbacks[reason] and afresh:
+            logger.warning("PrefixFlow: %s; counted in prefixflow/routing_fallbacks and fallback_rows.", reason)
+        elif not self._fallbacks[reason]:
             logger.warning("PrefixFlow: rows take the plain %s path (%s); counted in prefixflow/fallback_rows.",
                            self._name, reason)
         self._fallbacks[reason] += rows
