@@ -16,10 +16,10 @@ waves' activations and one phase's transient. Settings, cheapest first (`SETTING
     offload_kv   its K/V and gK/gV too, streamed in per layer (`prefixflow_offload_kv`)
 
 `choose` takes the first setting whose need fits the budget less `MARGIN` of the stock's whole planned peak (the
-planner's error on measured peaks; `static` the weights and gradients), the least needing one where none does. A run merges
-consecutive microbatches that share a prompt, so its waves (and TRL's fused-head tile, 32,768 vocabulary entries per
-scored position) can hold more than one stock microbatch; `merge_cap` caps the microbatches per run at the longest
-run that fits with the cheapest setting any run length long enough to share its prompt fits with.
+planner's error on measured peaks; `static` the weights and gradients), the least needing one where none does. A
+run merges consecutive microbatches that share a prompt, so its waves (and TRL's fused-head tile, 32,768 vocabulary
+entries per scored position) can hold more than one stock microbatch; `merge_cap` caps the microbatches per run at
+the longest run that fits with the cheapest setting any run length long enough to share its prompt fits with.
 """
 
 from __future__ import annotations
