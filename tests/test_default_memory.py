@@ -58,7 +58,8 @@ def test_the_default_never_plans_above_the_stock_trainer(shape, prompt, completi
     assert estimate.peak_bytes <= (1 - defaults.MARGIN) * estimate.baseline_peak_bytes
     assert estimate.peak_bytes - estimate.baseline_peak_bytes == pytest.approx(choice.need - choice.budget, abs=4)
     for cheaper in defaults.settings(policy)[:defaults.settings(policy).index(s)]:
-        assert defaults.setting_need(tokens, cheaper, [prompt], completion, rows, policy) + choice.margin > choice.budget
+        need = defaults.setting_need(tokens, cheaper, [prompt], completion, rows, policy)
+        assert need + choice.margin > choice.budget
     if batch > 1:  # a microbatch of several full sequences holds more than a group's prompt state: nothing changes
         assert s.name == "device" and cap == (prompt + completion) // completion
 
