@@ -340,6 +340,23 @@ def test_padded_and_chunked_generation_replays(tmp_path):
     assert routed_afresh(pf[2]) == [0.0]
 
 
+def test_routes_that_do_not_fit_the_batch_route_afresh(tmp_path, monkeypatch, caplog):
+    """Routes one token short of the batch TRL builds (a broken alignment) are never replayed: the old-policy scoring
+    pass and the actor update route afresh, as GRPOTrainer does (both were errors)."""
+    for_rollouts = routing.for_rollouts
+
+    def one_token_short(*args, **kwargs):
+        routes, fallbacks = for_rollouts(*args, **kwargs)
+        return routes[:, :, :-1], fallbacks
+
+    monkeypatch.setattr(routing, "for_rollouts", one_token_short)
+    stock, pf = both(tmp_path, dataset=conversations(tools=False), num_iterations=2)  # old log-probs: a scoring pass
+    assert_same_training(stock, pf)
+    assert "no recorded routes match this forward's rows; they route afresh" in caplog.text
+    assert "the recorded routes do not match the generated batch; it routes afresh" in caplog.text
+    assert routed_afresh(pf[2])[0] > 0
+
+
 # -- the recording itself ------------------------------------------------------------------------------------------
 
 
