@@ -7,7 +7,10 @@ float32 rounding (about 1e-7 relative), well inside the suite's 1e-5; the broken
 from __future__ import annotations
 
 import copy
+import os
+import pathlib
 import random
+import sys
 
 import pytest
 import torch
@@ -332,3 +335,59 @@ def test_forwards_the_pairs_cannot_reproduce_take_the_plain_path():
     assert pf_dpo._call_reason({**batch, "input_ids": ids[:3]}) == "not a preference batch of chosen and rejected rows"
     assert pf_dpo.right_padded_lengths(torch.tensor([[1, 1, 0], [1, 0, 0]])) == [2, 1]
     assert pf_dpo.right_padded_lengths(torch.tensor([[0, 1, 1], [1, 0, 0]])) is None  # left padding
+
+
+# -- DDP: two gloo processes -----------------------------------------------------------------------------------------
+
+
+def test_ddp_matches_stock(tmp_path):
+    """Plain DDP: each process shares its pairs, accumulates its backwards and Phase C locally; one all-reduce per
+    step gives the stock trainer's weights on every process. (PrefixFlowRewardTrainer runs the same step,
+    `pair_training_step`; `python tests/test_dpo.py reward ...` under torchrun runs it.)"""
+    from launcher import torchrun
+
+    for name in ("stock", "prefixflow"):
+        result = torchrun("test_dpo.py", "dpo", name, str(tmp_path))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stock, pf = (torch.load(tmp_path / f"{name}_rank0.pt") for name in ("stock", "prefixflow"))
+    start = torch.load(tmp_path / "start.pt")
+    for name in stock:
+        assert_rel_close(pf[name] - start[name], stock[name] - start[name], f"update {name}")
+    assert torch.load(tmp_path / "prefixflow_shared.pt") > 0
+    ranks = [torch.load(tmp_path / f"prefixflow_rank{rank}.pt") for rank in (0, 1)]
+    for name, weight in ranks[0].items():
+        assert torch.equal(weight, ranks[1][name]), name
+
+
+def ddp_worker(kind: str, name: str, out: str) -> None:
+    """One process of `test_ddp_matches_stock`: two steps of two microbatches of two pairs per process."""
+    from launcher import finish_worker
+
+    rank = int(os.environ.get("RANK", 0))
+    overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, ddp_backend="gloo")
+    if kind == "dpo":
+        base = setup.make_model(dtype=torch.float64)
+        trainer = build(PrefixFlowDPOTrainer if name == "prefixflow" else DPOTrainer, base, pathlib.Path(out) / name,
+                        dataset=make_dataset(pairs=16), **overrides)
+    else:
+        import test_reward
+
+        base = test_reward.make_model()
+        trainer = test_reward.build(test_reward.PrefixFlowRewardTrainer if name == "prefixflow" else
+                                    test_reward.RewardTrainer, base, pathlib.Path(out) / name,
+                                    dataset=test_reward.make_dataset(pairs=16), **overrides)
+    assert trainer.accelerator.num_processes == 2
+    if rank == 0 and name == "stock":
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, os.path.join(out, "start.pt"))
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.save(weights, os.path.join(out, f"{name}_rank{rank}.pt"))
+    if name == "prefixflow" and rank == 0:
+        shared = metric(trainer.state.log_history, "prefixflow/groups")
+        torch.save(shared, os.path.join(out, "prefixflow_shared.pt"))
+    finish_worker()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    ddp_worker(*sys.argv[1:4])

@@ -12,7 +12,7 @@ through no-grad groups the same way.
 
 Pairs whose common prefix is short (`prefixflow_min_prefix_tokens`) or whose FLOP bound is below
 `prefixflow_min_speedup`, and whole batches the groups cannot make exact (image pairs, MoE router losses,
-padding-free rows, prompt-learning PEFT, more than one process, models `apply_prefixflow` refuses), take the plain
+padding-free rows, prompt-learning PEFT, ZeRO, FSDP, models `apply_prefixflow` refuses), take the plain
 path: logged once per reason and counted in `prefixflow/fallback_rows`.
 """
 
@@ -32,6 +32,7 @@ from trl import DPOConfig, DPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from hf_prefixflow import _compat
+from hf_prefixflow.distributed import data_parallel
 from hf_prefixflow.attention import PASS_KWARG, PrefixPass
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
@@ -45,6 +46,9 @@ FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", 
 # The keyword arguments of TRL's preference forward that the pair path reproduces; any other means the plain path.
 PAIR_KWARGS = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
 MIN_PREFIX_TOKENS = 16
+# One process, or DDP: a microbatch's backwards (waves, then Phase C) accumulate locally and one all-reduce follows
+# (`distributed.data_parallel`). ZeRO and FSDP shard the weights the pairs' forwards would need gathered.
+SHARING_ENGINES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 # Set while the pair path runs its own forwards (Phase A, waves, plain sub-batches): those go straight to TRL's head.
 _inside = contextvars.ContextVar("prefixflow_pairs_inside", default=False)
@@ -398,8 +402,10 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         """Why no batch of this run can share its pairs exactly, if so."""
         if _compat.trl_fused_lm_head() is None:
             return "TRL before 1.15 scores DPO without the fused LM head"
-        if self.accelerator.distributed_type != DistributedType.NO:
-            return f"{self.accelerator.distributed_type} (PrefixFlowDPOTrainer shares pairs on one process)"
+        if self.accelerator.distributed_type not in SHARING_ENGINES:
+            return f"{self.accelerator.distributed_type} (pairs are shared on one process or under DDP)"
+        if getattr(self.args, "parallelism_config", None) is not None:
+            return "parallelism_config (tensor, context or sequence parallelism)"
         if self._is_vision_dataset or self._is_vlm:
             return "image-text pairs"
         if self.padding_free:
@@ -457,16 +463,7 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         return super().compute_ref_log_probs(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except BaseException as exc:
-            self._end_session(exc)
-            raise
-        if self._scorer.session is not None:
-            start = time.perf_counter()
-            self._end_session()
-            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
-        return loss
+        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
 
     def _end_session(self, error: BaseException | None = None) -> None:
         """Phase C for the groups the last training forward opened (none: nothing to do)."""
@@ -493,6 +490,27 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         metrics[prefix + "tokens_saved"].append(float(sum(p.shared for p in pairs)))
         metrics[prefix + "flops_saved"].append(1.0 - shared / full)
         metrics[prefix + ("phase_ab_s" if training else "s")].append(seconds)
+
+
+def pair_training_step(trainer, step, model, inputs, num_items_in_batch):
+    """TRL's training step (`step`: forward, loss, backward), then Phase C for the groups its forward opened. Under
+    DDP every backward of the step accumulates locally (Phase C touches the prefix's parameters after the
+    microbatch's backward, where DDP would already have reduced) and the gradients are averaged once, at the
+    accumulation boundary, as DDP would have."""
+    sharing = trainer._reason is None
+    with data_parallel.local_gradients(model) if sharing else contextlib.nullcontext():
+        try:
+            loss = step(model, inputs, num_items_in_batch)
+        except BaseException as exc:
+            trainer._end_session(exc)
+            raise
+        if trainer._scorer.session is not None:
+            start = time.perf_counter()
+            trainer._end_session()
+            trainer._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+    if sharing and trainer.accelerator.sync_gradients:
+        data_parallel.all_reduce_gradients(model)
+    return loss
 
 
 def _call_reason(kwargs: dict) -> str | None:

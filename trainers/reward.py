@@ -23,7 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import DistributedType
 from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl import RewardConfig, RewardTrainer
@@ -34,8 +33,8 @@ from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.model import apply_prefixflow, decoder_of, unwrap
 
-from .dpo import (MIN_PREFIX_TOKENS, Pair, PairScorer, _inside, _inside_path, _PrefixOutput, pair_rows,
-                  right_padded_lengths)
+from .dpo import (MIN_PREFIX_TOKENS, SHARING_ENGINES, Pair, PairScorer, _inside, _inside_path, _PrefixOutput,
+                  pair_rows, pair_training_step, right_padded_lengths)
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +222,10 @@ class PrefixFlowRewardTrainer(RewardTrainer):
     def _whole_run_reason(self) -> str | None:
         """Why no batch of this run can share its pairs exactly, if so."""
         inner = unwrap(self.model)
-        if self.accelerator.distributed_type != DistributedType.NO:
-            return f"{self.accelerator.distributed_type} (PrefixFlowRewardTrainer shares pairs on one process)"
+        if self.accelerator.distributed_type not in SHARING_ENGINES:
+            return f"{self.accelerator.distributed_type} (pairs are shared on one process or under DDP)"
+        if getattr(self.args, "parallelism_config", None) is not None:
+            return "parallelism_config (tensor, context or sequence parallelism)"
         if not _compat.generic_sequence_classifier(inner):
             return (f"{type(inner).__name__} is not transformers' generic sequence classifier (a `score` head read at "
                     "the rightmost non-pad token)")
@@ -266,16 +267,7 @@ class PrefixFlowRewardTrainer(RewardTrainer):
         inner.forward = forward
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except BaseException as exc:
-            self._scorer.phase_c(exc)
-            raise
-        if self._scorer.session is not None:
-            start = time.perf_counter()
-            self._scorer.phase_c()  # Phase C after the microbatch's backward
-            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
-        return loss
+        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
 
     def _end_session(self, error: BaseException | None = None) -> None:
         """Phase C for the groups the last training forward opened (none: nothing to do)."""
