@@ -20,10 +20,12 @@ from hf_prefixflow.trainers.grouping import check_group_prompts
 
 RTOL = 1e-5
 TIMING = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
-# Two prompts of four completions per optimizer step: whole groups per microbatch, or each group over two
-# microbatches, which PrefixFlow trains as one run (each microbatch keeping RLOO's own loss mean).
+# Two prompts of four completions per optimizer step: whole groups per microbatch (under RLOOConfig's default
+# activation checkpointing), or each group over two microbatches, which PrefixFlow trains as one run (each
+# microbatch keeping RLOO's own loss mean; without checkpointing).
 GEOMETRIES = {"whole-groups": {"per_device_train_batch_size": 8},
-              "merged-runs": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}}
+              "merged-runs": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                              "gradient_checkpointing": False}}
 
 
 class GradientRecorder(TrainerCallback):
