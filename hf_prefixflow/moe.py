@@ -309,7 +309,7 @@ class RoutingRecorder:
             return f"the routers of layers {missing} did not run while recording"
         counts = {tuple(c.shape[0] for c in calls) for calls in self.calls.values()}
         if any(n % batch_size for ns in counts for n in ns):
-            return f"a router call routed a token count that is not a multiple of the {batch_size} rows"
+            return "a router call routed a token count that is not a multiple of the rows"
         if len(counts) > 1:
             return "the layers' routers ran different token counts while recording"
         return None

@@ -188,7 +188,7 @@ def conversations(prompts: int = 2, tools: bool = True) -> Dataset:
 
 def train(trainer_cls, tmp_path, script=answer_script, dataset=None, engine=False, prepare=None, trainer_kwargs=None,
           **overrides):
-    """One optimizer step (two microbatches of two rows: two prompts of two completions) in float64."""
+    """Optimizer steps of two microbatches of two rows (two prompts of two completions) in float64."""
     options = dict(output_dir=str(tmp_path / trainer_cls.__name__), per_device_train_batch_size=2, num_generations=2,
                    gradient_accumulation_steps=2, max_completion_length=112, max_steps=1, report_to="none",
                    logging_steps=1, use_cpu=True, save_strategy="no", learning_rate=1e-2, optim="sgd", seed=3,
@@ -320,11 +320,11 @@ def unchecked_record_turn(recorder, prompt_ids, completion_ids, num_layers, rout
 def test_beam_search_is_not_replayed(tmp_path, monkeypatch, caplog):
     """Beam search routes every beam: the recording holds more tokens than the rows and cannot be aligned with them.
     It routes afresh; read unchecked, it replays other tokens' experts and leaves GRPOTrainer's gradients."""
-    options = {"dataset": conversations(tools=False), "generation_kwargs": {"num_beams": 2}}
+    options = {"dataset": conversations(tools=False), "generation_kwargs": {"num_beams": 2}, "max_steps": 2}
     stock, pf = both(tmp_path, **options)
     assert_same_training(stock, pf)
-    assert routed_afresh(pf[2]) == [4.0]
-    assert "(beam search, assisted decoding or generation without a KV cache?)" in caplog.text
+    assert routed_afresh(pf[2]) == [4.0, 4.0]  # both generations, warned once
+    assert caplog.text.count("(beam search, assisted decoding or no KV cache?); the batch routes afresh") == 1
     monkeypatch.setattr(routing, "record_turn", unchecked_record_turn)
     with pytest.raises(AssertionError, match="grad"):
         assert_same_training(stock, train(PrefixFlowGRPOTrainer, tmp_path, **options))
@@ -405,18 +405,20 @@ def test_partial_recordings_degrade(moe_model):
 
     interrupted = RoutingRecorder()
     interrupted.calls = {layer: calls[:-1] for layer, calls in good.calls.items()}
-    assert "generation routed 5 tokens per row where 4-token prompts and 3 generated tokens route 6" in \
-        turn(interrupted, prompts, completions).gap
+    assert turn(interrupted, prompts, completions).gap == (
+        "generation routed other tokens than the prompts' prefill and one decode step per generated token (beam "
+        "search, assisted decoding or no KV cache?)")
 
-    assert "not a multiple of the 3 rows" in turn(good, prompts + [[1, 2, 3, 4]], completions + [[5]]).gap
-    assert turn(good, prompts, completions[:1]).gap == "generation returned 1 completions for 2 prompts"
+    assert turn(good, prompts + [[1, 2, 3, 4]], completions + [[5]]).gap == \
+        "a router call routed a token count that is not a multiple of the rows"
+    assert turn(good, prompts, completions[:1]).gap == "generation returned another number of completions than prompts"
 
     uneven = RoutingRecorder()
     uneven.calls = {0: good.calls[0], 1: good.calls[1][:1] + [torch.cat(good.calls[1][1:])]}
     assert turn(uneven, prompts, completions).gap == "the layers' routers ran different token counts while recording"
 
     no_cache = recorded(moe_model, prompts, 3, use_cache=False)  # every step reruns the whole sequence
-    assert "generation routed" in turn(no_cache, prompts, completions).gap
+    assert turn(no_cache, prompts, completions).gap.startswith("generation routed other tokens")
     for recording in (turn(r, prompts, completions) for r in (one_layer, interrupted, uneven, no_cache)):
         routes, fallbacks = routing.for_rollouts(recording, prompts, completions)
         assert routes is routing.UNRECORDED and fallbacks[0][0].startswith(routing.FALLBACK)

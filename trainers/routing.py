@@ -12,12 +12,15 @@ the same way: never an error, always counted (`FALLBACK` reasons, `prefixflow/ro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.moe import ROUTES_KWARG, RoutingRecorder
+
+logger = logging.getLogger(__name__)
 
 BATCH_KEY = "prefixflow_routes"
 UNRECORDED = "unrecorded"  # the trainer's routes while a batch generated without recording is scored or trained
@@ -75,13 +78,15 @@ def record_turn(recorder: RoutingRecorder, prompt_ids: list[list[int]], completi
         pad_to_multiple_of: the trainer's prompt padding (TRL's `pad_to_multiple_of`).
 
     Returns:
-        A `Recording` with routes, or with `gap` set and no routes.
+        A `Recording` with routes, or with `gap` set and no routes. Gaps name their kind only (one warning per kind);
+        the counts behind them are logged at debug level.
     """
     prompts, completions = [list(p) for p in prompt_ids], [list(c) for c in completion_ids]
     recording = Recording(prompts, completions)
     rows = len(prompts)
     if rows == 0 or len(completions) != rows:
-        return replace(recording, gap=f"generation returned {len(completions)} completions for {rows} prompts")
+        logger.debug("routing replay: %d completions for %d prompts", len(completions), rows)
+        return replace(recording, gap="generation returned another number of completions than prompts")
     gap = recorder.gap(rows, routed_layers)
     if gap is not None:
         return replace(recording, gap=gap)
@@ -89,9 +94,10 @@ def record_turn(recorder: RoutingRecorder, prompt_ids: list[list[int]], completi
     steps = max(len(c) for c in completions)
     per_row = sum(c.shape[0] for c in next(iter(recorder.calls.values()))) // rows
     if per_row != width + max(steps, 1) - 1:
-        return replace(recording, gap=(
-            f"generation routed {per_row} tokens per row where {width}-token prompts and {steps} generated tokens "
-            f"route {width + max(steps, 1) - 1} (beam search, assisted decoding or generation without a KV cache?)"))
+        logger.debug("routing replay: %d tokens per row routed, %d-token prompts and %d generated tokens route %d",
+                     per_row, width, steps, width + max(steps, 1) - 1)
+        return replace(recording, gap="generation routed other tokens than the prompts' prefill and one decode step "
+                                      "per generated token (beam search, assisted decoding or no KV cache?)")
     # Rows replay their group leader's prompt routes only where the leader's prompt is theirs.
     if any(prompts[r] != prompts[r - r % group_size] for r in range(rows)):
         group_size = 1
