@@ -186,9 +186,10 @@ _TEXT_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id
 
 
 def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A copy of `config` with the same family and options at tiny sizes: 32 hidden, 4 heads of 8, a vocabulary of
-    97, at most 8 layers (covering every kind in `layer_types`, and the layers that share them their K/V), 4
-    experts; vision and audio towers of 2 layers at 32 hidden; no dropout and no router jitter."""
+    """A copy of `config` with the same family and options at tiny sizes: 32 hidden, 4 heads, head sizes scaled by
+    one factor to 8 for the smallest (equal sizes stay equal), a vocabulary of 97, at most 8 layers (a layer of every
+    kind in `layer_types`, and the layers that share them their K/V), 4 experts, windows, chunks and temperature steps
+    of 4 positions; vision and audio towers of 2 layers at 32 hidden; no dropout and no router jitter."""
     config = copy.deepcopy(config)
     text = config.get_text_config()
     configs = nested_configs(config)
@@ -357,8 +358,8 @@ def _scale_head_dims(text: PretrainedConfig, before: dict) -> None:
     if not sizes:
         return
     unit, smallest = _SIZES["head_dim"], min(sizes.values())
-    if any(value * unit % smallest for value in sizes.values()) or max(sizes.values()) * unit > 8 * unit * smallest:
-        return
+    if any(value * unit % smallest for value in sizes.values()) or max(sizes.values()) > 8 * smallest:
+        return  # no common factor, or a head over 8 times the smallest (over 64 wide here): the fixed sizes serve
     for name, value in sizes.items():
         _set(text, name, value * unit // smallest)
 

@@ -319,6 +319,12 @@ def prefixflow_attention(
     """
     sequence_parallel = kwargs.pop(SP_KWARG, None)
     if sequence_parallel is not None:  # Ulysses: re-enters here on full-length sequences of a head shard
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            raise PrefixFlowError(
+                f"{type(module).__name__} scales its queries by their index in the process's shard of the sequence "
+                "(Llama 4's attention temperature without RoPE), which sequence parallelism shifts. Train it with "
+                "prefixflow_sp_size=1, or with attn_temperature_tuning=False."
+            )
         return sequence_parallel.attend(prefixflow_attention, module, query, key, value, dropout, scaling, kwargs)
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)

@@ -350,3 +350,17 @@ def test_a_chunked_layer_whose_attention_hides_its_chunk_is_refused(monkeypatch)
     monkeypatch.setattr(modeling_llama4.Llama4TextAttention, "__init__", configless)
     with pytest.raises(PrefixFlowError, match=r"layer 0 is a chunked-attention layer but .*Llama4TextAttention"):
         architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
+
+
+def test_llama4_temperature_is_refused_under_sequence_parallelism():
+    """Under Ulysses each process holds a shard of the sequence and Llama 4's NoPE layers scale queries by their
+    index in the shard: refused there."""
+    from hf_prefixflow import attention
+
+    model = hf_prefixflow.apply_prefixflow(
+        architecture.build_tiny(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa"))
+    nope = next(layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope)
+    query = key = value = torch.zeros(1, 4, 3, 8, dtype=torch.float64)
+    with pytest.raises(PrefixFlowError, match=r"Llama4TextAttention scales its queries by their index in the "
+                                              r"process's shard.*prefixflow_sp_size=1"):
+        attention.prefixflow_attention(nope, query, key, value, None, **{attention.SP_KWARG: object()})
