@@ -20,7 +20,6 @@ import copy
 import random
 import statistics
 
-import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 

@@ -309,8 +309,10 @@ def generic_sequence_classifier(model: torch.nn.Module) -> bool:
     """Whether `model` is transformers' `GenericForSequenceClassification` (`transformers.modeling_layers`, not
     exported at the top level): a `score` head applied to the decoder's last hidden state, read at each row's
     rightmost token that is not the pad id."""
-    from transformers.modeling_layers import GenericForSequenceClassification
-
+    try:
+        from transformers.modeling_layers import GenericForSequenceClassification
+    except ImportError:
+        return False
     return isinstance(model, GenericForSequenceClassification) and isinstance(getattr(model, "score", None),
                                                                                torch.nn.Module)
 

@@ -24,12 +24,17 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import DistributedType
 from trl import DPOConfig, DPOTrainer
-from trl.trainer.utils import FusedCausalLMOutput
+
+try:
+    from trl.trainer.utils import FusedCausalLMOutput
+except ImportError:  # TRL before 1.15 scores DPO without the fused LM head: every batch takes the plain path
+    FusedCausalLMOutput = None
 
 from hf_prefixflow import _compat
 from hf_prefixflow.distributed import data_parallel
@@ -153,7 +158,7 @@ class PairScorer:
     """
 
     def __init__(self, shape: ModelShape, min_prefix_tokens: int, min_speedup: float, floor_tokens: int,
-                 count_fallback, log_groups):
+                 count_fallback: Callable[[str, int], None], log_groups: Callable[[list[Pair], bool, float], None]):
         self.shape = shape
         self.min_prefix_tokens = int(min_prefix_tokens)
         self.min_speedup = float(min_speedup)
@@ -168,7 +173,16 @@ class PairScorer:
 
     def pairs(self, input_ids: torch.Tensor, lengths: list[int], pair_index: list[tuple[int, int]]) -> tuple[
             list[Pair], list[int]]:
-        """The pairs worth sharing and the rows that take the plain path (short prefix, low FLOP bound)."""
+        """The pairs worth sharing and the rows that take the plain path (short prefix, low FLOP bound).
+
+        Args:
+            input_ids: `[2B, L]` right-padded rows.
+            lengths: each row's real length.
+            pair_index: `(chosen, rejected)` row pairs.
+
+        Returns:
+            The shared `Pair`s in batch order, and the plain rows.
+        """
         ids = input_ids.detach().cpu().tolist()
         shared, plain = [], []
         for chosen, rejected in pair_index:
@@ -184,7 +198,7 @@ class PairScorer:
 
     # -- scoring ---------------------------------------------------------------------------------------------
 
-    def score(self, model: torch.nn.Module, fused, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def score(self, model: torch.nn.Module, fused: Callable, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               labels: torch.Tensor, lengths: list[int], pair_index: list[tuple[int, int]]) -> FusedCausalLMOutput:
         """TRL's fused forward of a preference batch: shared pairs through prefix groups, the rest in one plain
         sub-batch.
@@ -397,6 +411,8 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         self._route(self.model)
         if self.ref_model is not None:
             self._route(self.ref_model)
+        if self._reason is not None:
+            logger.warning("PrefixFlow: every batch of this run takes the plain DPO path (%s).", self._reason)
 
     def _whole_run_reason(self) -> str | None:
         """Why no batch of this run can share its pairs exactly, if so."""
@@ -415,7 +431,7 @@ class PrefixFlowDPOTrainer(DPOTrainer):
             return "MoE router auxiliary loss"
         if self.args.torch_compile:
             return "torch_compile (the whole model compiled as one module)"
-        if self.args.activation_offloading:
+        if getattr(self.args, "activation_offloading", False):
             return "activation_offloading (TRL's saved-tensor hooks)"
         peft_config = getattr(self.model, "peft_config", None)
         if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
@@ -492,7 +508,7 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         metrics[prefix + ("phase_ab_s" if training else "s")].append(seconds)
 
 
-def pair_training_step(trainer, step, model, inputs, num_items_in_batch):
+def pair_training_step(trainer, step: Callable, model: torch.nn.Module, inputs: dict, num_items_in_batch):
     """TRL's training step (`step`: forward, loss, backward), then Phase C for the groups its forward opened. Under
     DDP every backward of the step accumulates locally (Phase C touches the prefix's parameters after the
     microbatch's backward, where DDP would already have reduced) and the gradients are averaged once, at the

@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,7 +113,7 @@ class RewardPairScorer(PairScorer):
     """Scores a reward batch the way the model's forward does (pooled score logits `[2B, num_labels]`), sharing
     each pair's common prefix. See `PairScorer` for the sessions and Phase C."""
 
-    def score_pairs(self, view: torch.nn.Module, model: torch.nn.Module, forward, input_ids: torch.Tensor,
+    def score_pairs(self, view: torch.nn.Module, model: torch.nn.Module, forward: Callable, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor, lengths: list[int], pair_index: list[tuple[int, int]],
                     pad_token_id: int | None) -> SequenceClassifierOutputWithPast:
         """The pooled logits of a reward batch: shared pairs through prefix groups, the rest in one plain sub-batch.
@@ -217,6 +218,8 @@ class PrefixFlowRewardTrainer(RewardTrainer):
                 self._view = apply_prefixflow(causal_view(self.model))
             except PrefixFlowError as error:
                 self._reason = f"model refused by apply_prefixflow: {error}"
+        if self._reason is not None:
+            logger.warning("PrefixFlow: every batch of this run takes the plain reward path (%s).", self._reason)
         self._route(inner)
 
     def _whole_run_reason(self) -> str | None:
@@ -233,7 +236,7 @@ class PrefixFlowRewardTrainer(RewardTrainer):
             return "MoE router auxiliary loss"
         if self.args.torch_compile:
             return "torch_compile (the whole model compiled as one module)"
-        if self.args.activation_offloading:
+        if getattr(self.args, "activation_offloading", False):
             return "activation_offloading (TRL's saved-tensor hooks)"
         peft_config = getattr(self.model, "peft_config", None)
         if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
