@@ -19,6 +19,7 @@ import argparse
 import copy
 import random
 import statistics
+import tempfile
 
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
@@ -61,8 +62,13 @@ def make_dataset(rows: int, passages: int, seed: int = 0) -> Dataset:
 
 
 def run(name: str, args, tokenizer, model, dataset) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:  # nothing is saved (save_strategy="no")
+        return train(name, args, tokenizer, model, dataset, out)
+
+
+def train(name: str, args, tokenizer, model, dataset, out: str) -> list[dict]:
     trainer_cls, config_cls = TRAINERS[name]
-    config = config_cls(output_dir=f"dpo_long_prompt_out/{name}", max_steps=args.steps, learning_rate=1e-4,
+    config = config_cls(output_dir=out, max_steps=args.steps, learning_rate=1e-4,
                         per_device_train_batch_size=args.batch_size, logging_steps=1, report_to="none",
                         save_strategy="no", bf16=args.bf16, seed=0, disable_tqdm=True,
                         max_length=None)  # TRL's default, 1024, would drop the long documents

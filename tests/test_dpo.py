@@ -391,3 +391,13 @@ def ddp_worker(kind: str, name: str, out: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(__file__))
     ddp_worker(*sys.argv[1:4])
+
+
+def test_long_prompt_example_runs_both_trainers(one_thread, capsys):
+    import dpo_long_prompt
+
+    results = dpo_long_prompt.main(["--steps", "2", "--passages", "4", "--hidden", "32", "--layers", "2",
+                                    "--batch-size", "2"])
+    printed = capsys.readouterr().out
+    assert "losses agree" in printed and "step speedup" in printed
+    assert metric(results["prefixflow"], "prefixflow/groups") > 0
