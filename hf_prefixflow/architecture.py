@@ -548,7 +548,7 @@ def _reach(model: PreTrainedModel) -> ProbeResult:
     windows = []
 
     def spy(module, *args, **kwargs):
-        windows.append(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+        windows.append(attention.layer_window(module, kwargs))
         return registered(module, *args, **kwargs)
 
     attention.REACH.calls = []
@@ -601,9 +601,10 @@ def _check_calls(model: PreTrainedModel, calls: list[tuple[torch.nn.Module, str,
         if isinstance(window, int) and windowed and got is None:
             raise PrefixFlowError(
                 f"{owner}: config.sliding_window is {window} but {name} ({type(module).__name__}) receives no "
-                "sliding_window (neither as an argument nor as an attribute): the window lives only in the masks "
-                "the model builds, and PrefixFlow builds its own masks for suffix waves, which would then attend "
-                "past the window. Train this model with the plain trainer (or with sliding_window=None)."
+                "sliding_window (as an argument, as an attribute or by its layer kind in its config): the window "
+                "lives only in the masks the model builds, and PrefixFlow builds its own masks for suffix waves, "
+                "which would then attend past the window. Train this model with the plain trainer (or with "
+                "sliding_window=None)."
             )
         chunked = isinstance(index, int) and index < len(kinds) and kinds[index] == "chunked_attention"
         if chunked and attention.chunk_size(module) is None:

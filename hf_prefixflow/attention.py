@@ -148,6 +148,28 @@ def chunk_size(module: torch.nn.Module) -> int | None:
         return None
 
 
+def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The sliding window of `module`'s layer in tokens, or None: as its attention call receives it (the
+    `sliding_window` argument, else the module's attribute), else as transformers' masks read it from the config:
+    `config.sliding_window` on a layer whose `layer_types` kind names "sliding", or on every layer where the config
+    has no layer types (Phi-MoE's attention receives no window; its masks carry the config's)."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config = getattr(module, "config", None)
+    try:
+        size = getattr(config, "sliding_window", None)
+        if not isinstance(size, int) or isinstance(size, bool):
+            return None
+        kinds, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+        if kinds:
+            return size if isinstance(index, int) and index < len(kinds) and "sliding" in kinds[index] else None
+        return size
+    except Exception:  # noqa: BLE001 - a config that refuses the read (per-layer attributes) sets no window here
+        return None
+
+
 def _wave_mask(wave: Wave, base: str, window: int | None, query: torch.Tensor, kv_length: int,
                chunk: int | None = None):
     """The wave's visibility in the form the wrapped implementation consumes."""
@@ -229,7 +251,7 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
     cache = marker.cache
     query = index_scaled_query(module, query, marker.wave.position_ids)
     cached = _check_prefix(cache, module, key, value)
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = layer_window(module, kwargs)
     chunk = chunk_size(module)
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     if cached and plain and base == "sdpa" and marker.wave.is_plain_causal and chunk is None \
@@ -253,7 +275,7 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
 def _replayed_prefix_attention(module, query, key, value, attention_mask, marker: PrefixPass, base: str, scaling,
                                kwargs) -> torch.Tensor | None:
     """Phase A's plain causal `sdpa` attention of a recomputed layer through `marker.replay`, else None."""
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = layer_window(module, kwargs)
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None and attention_mask is None
     if marker.replay is None or base != "sdpa" or not plain or (window is not None and window < key.shape[2]):
         return None
@@ -297,8 +319,8 @@ def prefixflow_attention(
     attention functions.
 
     Args:
-        module: the attention module; reads `module.config._attn_implementation`, `module.layer_idx` and, if
-            present, `module.sliding_window`.
+        module: the attention module; reads `module.config._attn_implementation`, `module.layer_idx` and its layer's
+            sliding window and chunk (`layer_window`, `chunk_size`).
         query: `[B, H_q, S, D]`, post-RoPE.
         key, value: `[B, H_kv, S, D]`, post-RoPE (`H_q` a multiple of `H_kv`); the wave's own K/V in Phase B.
         attention_mask: the mask transformers built for the base (or None). Used outside a group and in Phase A;

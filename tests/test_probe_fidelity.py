@@ -364,3 +364,21 @@ def test_llama4_temperature_is_refused_under_sequence_parallelism():
     with pytest.raises(PrefixFlowError, match=r"Llama4TextAttention scales its queries by their index in the "
                                               r"process's shard.*prefixflow_sp_size=1"):
         attention.prefixflow_attention(nope, query, key, value, None, **{attention.SP_KWARG: object()})
+
+
+# ---- a sliding window only the model's masks carry ---------------------------------------------------------------
+
+def test_a_window_only_the_masks_carry_is_read_from_the_config(monkeypatch):
+    """Phi-MoE's attention receives no sliding window (its masks carry `config.sliding_window`): the waves read the
+    window from the config as transformers' masks do, and it trains exactly. The broken variant: without that
+    reading, the probe refuses it (its waves would attend past the window)."""
+    from hf_prefixflow import attention
+
+    config = transformers.PhimoeConfig(sliding_window=4)
+    outcome, detail, _ = families.run_variant(transformers.PhimoeForCausalLM, config)
+    assert outcome == families.EXACT, detail
+    original = attention.layer_window
+    monkeypatch.setattr(attention, "layer_window", lambda module, kwargs: original(module, kwargs)
+                        if "sliding_window" in kwargs or hasattr(module, "sliding_window") else None)
+    with pytest.raises(PrefixFlowError, match=r"config.sliding_window is 4 but .*PhimoeAttention.* receives no"):
+        architecture._run_probe(transformers.PhimoeForCausalLM, config, "sdpa")
