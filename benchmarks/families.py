@@ -41,7 +41,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: 
 
 import hf_prefixflow  # noqa: E402
 from equivalence import random_group, random_plan, train_side_by_side  # noqa: E402
-from hf_prefixflow import PrefixFlowError, architecture, moe  # noqa: E402
+from hf_prefixflow import PrefixFlowError, architecture, moe, states  # noqa: E402
 
 EXACT, REFUSED, NO_TINY, NOT_DECODER = "exact", "refused", "no tiny config", "not a decoder-only causal LM"
 WRONG, FAILED, APPLY_CRASHED, TIMED_OUT = "ACCEPTED-AND-WRONG", "FAILED-AFTER-ACCEPT", "APPLY-CRASHED", "TIMED-OUT"
@@ -149,7 +149,8 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
         return APPLY_CRASHED, _message(exc)[:600] + " | " + _last_frame(exc), replay
     gen = torch.Generator().manual_seed(seed)
     groups = [random_group(gen, prefix=(2, 16), suffix=(1, 8), n=(2, 5)) for _ in range(3)]
-    layouts = (("padded",), ("packed",), ("padded", "packed"))
+    # Recurrent models run padded waves only: a packed row would carry one completion's state into the next.
+    layouts = ((("padded",),) * 3 if states.has_states(model) else (("padded",), ("packed",), ("padded", "packed")))
     plans = [random_plan(gen, len(group.suffixes), kinds) for group, kinds in zip(groups, layouts)]
     try:
         train_side_by_side(model, groups, plans, prepare=lambda candidate: candidate)

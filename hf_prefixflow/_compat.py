@@ -134,6 +134,28 @@ def enable_checkpointing(model: torch.nn.Module, use_reentrant: bool = False, **
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+# The closure of transformers' `use_kernel_func_from_hub_with_fallback` wrapper (5.2x): a fused package's function
+# (flash-linear-attention, mamba-ssm, causal-conv1d) chosen once at import, with the PyTorch function as `__wrapped__`.
+_KERNEL_WRAPPER_FREEVARS = {"implementation", "torch_function"}
+
+
+@contextlib.contextmanager
+def reference_kernels(model_class: type):
+    """Inside: the module-level kernel functions of `model_class`'s modeling file run their PyTorch reference path.
+    The probe's float64 CPU copy needs it where a fused package is installed (its Triton kernels take GPU tensors
+    of half or single precision only)."""
+    module = __import__(model_class.__module__, fromlist=["_"])
+    swapped = {name: fn for name, fn in vars(module).items() if callable(fn) and hasattr(fn, "__wrapped__")
+               and _KERNEL_WRAPPER_FREEVARS <= set(getattr(getattr(fn, "__code__", None), "co_freevars", ()))}
+    for name, fn in swapped.items():
+        setattr(module, name, fn.__wrapped__)
+    try:
+        yield
+    finally:
+        for name, fn in swapped.items():
+            setattr(module, name, fn)
+
+
 # -- accelerate -------------------------------------------------------------------------------------------------
 
 

@@ -501,7 +501,7 @@ def probe(model: PreTrainedModel) -> ProbeResult:
 
 
 def _run_probe(model_cls: type, config, attn: str) -> ProbeResult:
-    with _one_thread(), float64_throughout():
+    with _one_thread(), float64_throughout(), compat.reference_kernels(model_cls):
         return _probe_tiny(model_cls, config, attn)
 
 

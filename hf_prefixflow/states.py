@@ -36,6 +36,9 @@ CONV, RECURRENT = "conv", "recurrent"
 _MARKER_KWARGS = ("prefixflow_pass", "prefixflow_routes", "prefixflow_sp")
 _CACHE_PARAMETERS = ("cache", "cache_params")
 _HOOKED = "_prefixflow_state_mixer"
+# How a mixer reads its previous state from the cache (transformers 5.24; and before it, `update_*` with
+# `cache.layers[i].conv_states`).
+_STATE_CALLS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
 _TRIM = "_prefixflow_trim"
 
 
@@ -78,6 +81,11 @@ class StateView:
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether a state precedes this forward: in a wave of a group with a cached prefix."""
         return not self.capturing and self.cache.prefix_length > 0
+
+    @property
+    def layers(self) -> "_Layers":
+        """transformers before 5.24 reads states as `cache.layers[i].conv_states[j]` (and `.recurrent_states`)."""
+        return _Layers(self)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: a mixer never takes its in-place single-step path on this view."""
@@ -125,6 +133,40 @@ class StateView:
         return key_states, value_states
 
 
+class _Layers:
+    """`StateView.layers[layer_idx]`: one layer's states in the older cache API's shape."""
+
+    def __init__(self, view: StateView):
+        self.view = view
+
+    def __getitem__(self, layer_idx: int) -> "_LayerStates":
+        return _LayerStates(self.view, layer_idx)
+
+
+class _LayerStates:
+    record_past = True  # as `is_recording_past`: never the in-place single-step path
+
+    def __init__(self, view: StateView, layer_idx: int):
+        self.view, self.layer_idx = view, layer_idx
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor | None]:
+        return _States(self.view, self.layer_idx, CONV)
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor | None]:
+        return _States(self.view, self.layer_idx, RECURRENT)
+
+
+class _States(dict):
+    def __init__(self, view: StateView, layer_idx: int, kind: str):
+        super().__init__()
+        self.view, self.layer_idx, self.kind = view, layer_idx, kind
+
+    def __missing__(self, state_idx: int) -> torch.Tensor | None:
+        return self.view._previous(self.layer_idx, self.kind, state_idx)
+
+
 def mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's recurrent mixers: modules with a `layer_idx` that take the cache as an argument and read a
     convolution or recurrent state through it (their only way to a previous state).
@@ -137,8 +179,8 @@ def mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @functools.lru_cache(maxsize=None)
 def is_state_mixer(cls: type) -> bool:
-    """Whether `cls.forward` takes a `cache` (or `cache_params`) and reads a state from it (`get_conv_state`,
-    `get_recurrent_state`): what `StateView` serves."""
+    """Whether `cls.forward` takes a `cache` (or `cache_params`) and reads or writes a state through it
+    (`_STATE_CALLS`): what `StateView` serves."""
     parameters = inspect.signature(cls.forward).parameters
     if not any(name in parameters for name in _CACHE_PARAMETERS):
         return False
@@ -146,7 +188,7 @@ def is_state_mixer(cls: type) -> bool:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return "get_conv_state" in source or "get_recurrent_state" in source
+    return any(call in source for call in _STATE_CALLS)
 
 
 def enable_states(model: torch.nn.Module) -> int:

@@ -9,6 +9,7 @@ with pads) fail the same check; what cannot be exact is refused with its reason.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -222,3 +223,32 @@ def test_one_token_prompt_starts_from_zero_state():
     full_sequence_backward(model, group)
     prefixflow_backward(candidate, group, [("padded", [0, 1])])
     assert_same_gradients(gradients(candidate), gradients(model))
+
+
+def test_the_probe_runs_the_pytorch_path_where_fused_kernels_are_installed(monkeypatch):
+    """With flash-linear-attention installed, transformers binds its Triton kernels at import; the probe's float64
+    CPU copy must run the PyTorch reference instead, or a GPU user's Qwen3.5 would be refused as unverifiable."""
+    import sys
+    import types
+
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    def triton_only(*args, **kwargs):
+        raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+
+    fake = types.ModuleType("fake_fused_package")
+    fake.chunk_gated_delta_rule = triton_only
+    monkeypatch.setitem(sys.modules, "fake_fused_package", fake)
+    modeling = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
+    reference = modeling.torch_chunk_gated_delta_rule
+    fused = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fake_fused_package")(
+        getattr(reference, "__wrapped__", reference))
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", fused)
+    config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=4)
+    model = transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config))
+    hf_prefixflow.apply_prefixflow(model)  # accepted: the probe ran the PyTorch path
+    assert modeling.torch_chunk_gated_delta_rule is fused  # and the model keeps its fused kernel
+    architecture._probed.clear()
+    monkeypatch.setattr(_compat, "reference_kernels", lambda cls: contextlib.nullcontext())
+    with pytest.raises(PrefixFlowError, match="could not be built or run"):
+        hf_prefixflow.apply_prefixflow(transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config)))
