@@ -104,6 +104,8 @@ def check_structure(model: PreTrainedModel) -> None:
             continue
         if _is_attention(type(module)):  # e.g. Kimi-Linear's MLA `KimiLinearAttention`: the probe checks it
             continue
+        if cls.endswith(("Norm", "NormGated")):  # per token (Mamba2RMSNorm): nothing to carry across tokens
+            continue
         for pattern, why in MIXER_PATTERNS:
             if pattern.search(cls) or (isinstance(module, torch.nn.Conv1d) and pattern is MIXER_PATTERNS[2][0]):
                 raise PrefixFlowError(
@@ -231,6 +233,7 @@ def _shrink_text(text: PretrainedConfig) -> None:
     _scale_head_dims(text, before)
     _shrink_per_layer_overrides(text, before)
     _fit_rope_sections(text)
+    _fit_mamba_heads(text)
     layers = _get(text, "num_hidden_layers")
     if isinstance(layers, int):
         kinds = list(_get(text, "layer_types") or [])
@@ -280,6 +283,17 @@ def _shrink_per_layer_overrides(text: PretrainedConfig, before: dict) -> None:
                 overrides[name] = max(1, tiny // 2)
             else:
                 overrides[name] = tiny
+
+
+def _fit_mamba_heads(text: PretrainedConfig) -> None:
+    """Mamba2's heads times head size fill its inner width (`expand` x hidden): the head count follows the tiny
+    sizes (attention-free Mamba2 names them `num_heads` / `head_dim`)."""
+    expand, heads, head_dim = (_get(text, n) for n in ("expand", "num_heads", "head_dim"))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (expand, heads, head_dim)) \
+            and not _has(text, "num_attention_heads"):
+        _set(text, "num_heads", max(1, expand * _get(text, "hidden_size") // head_dim))
+        if isinstance(_get(text, "chunk_size"), int):
+            _set(text, "chunk_size", 4)  # shorter than the probe's prompt: the scan crosses chunks
 
 
 def _fit_rope_sections(text: PretrainedConfig) -> None:

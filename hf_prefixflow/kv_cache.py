@@ -253,6 +253,7 @@ class TrainingKVCache:
         # Recurrent layers' state at the end of the prefix (`states.StateView`): (layer_idx, kind, state_idx) ->
         # convolution window `[1, C, k]` or recurrent state `[1, ...]`.
         self.states: dict[tuple[int, str, int], CachedTensor] = {}
+        self.state_reads: set[int] = set()  # the recurrent layers the current wave served their state to
         # The prefix forward's output, set under engines that gather weights in hooks on module outputs (ZeRO-3,
         # FSDP2): Phase C then also starts there with a zero gradient, so every module enters the backward through
         # its output, the last layer's included, as those hooks require (otherwise Phase C would reach it only at

@@ -30,7 +30,7 @@ from .model import (check_checkpointing, checkpointing_suspended, config_of, dec
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
 from .recompute import AttentionReplay, recomputed_layers
-from .states import has_states
+from .states import has_states, mixer_layers
 
 # Recurrent states are cached on the process that ran Phase A; the parallel rules move K/V only.
 STATES_ON_ONE_PROCESS = (
@@ -251,6 +251,7 @@ class PrefixGroup:
             out = self.runner.forward(self, module, self.prefix_ids[:, :-1], positions, **{PASS_KWARG: marker},
                                       **replay, **extra)
         hidden = out[0]  # the last hidden state, or the logits when Phase A runs the whole model (FSDP2)
+        self._check_state_captures()
         if self.trains and hidden.requires_grad and not self.cache.needs_gradients():
             raise PrefixFlowError(
                 "the prefix K/V came out of Phase A without a graph although the prefix output has one: reentrant "
@@ -321,8 +322,32 @@ class PrefixGroup:
         marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
         checkpointed = self.suffix_checkpointing
         keep = not (config_of(self._inner).suffix_checkpointing if checkpointed is None else checkpointed)
+        self.cache.state_reads.clear()
         with checkpointing_suspended(self._inner) if keep else contextlib.nullcontext():
-            return self.runner.forward(self, self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
+            out = self.runner.forward(self, self.model, wave.input_ids, wave.position_ids, **marker, **model_kwargs)
+        self._check_state_reads()
+        return out
+
+    def _check_state_captures(self) -> None:
+        """Phase A must capture every recurrent layer's state: a model that drops keyword arguments before its
+        mixers would leave the waves to start them from zero."""
+        missed = sorted(mixer_layers(self._inner) - {key[0] for key in self.cache.states})
+        if missed:
+            raise PrefixFlowError(
+                f"{type(self._inner).__name__}: the recurrent layers {missed} did not receive PrefixFlow's pass "
+                "marker in the prompt's forward (the model drops keyword arguments on their way to the layers), so "
+                "their prompt state could not be cached. Train this model with the plain trainer.")
+
+    def _check_state_reads(self) -> None:
+        """Every recurrent layer whose prefix state Phase A captured must have read it in the wave: a model that
+        drops keyword arguments on the way to its mixers would start them from a zero state, silently."""
+        missed = sorted({key[0] for key in self.cache.states} - self.cache.state_reads)
+        if missed:
+            raise PrefixFlowError(
+                f"{type(self._inner).__name__}: the recurrent layers {missed} did not receive PrefixFlow's pass "
+                "marker in a suffix wave (the model drops keyword arguments on their way to the layers), so the "
+                "completions would start them from a zero state instead of the prompt's. Train this model with the "
+                "plain trainer.")
 
     def padded_wave(
         self, suffix_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: torch.Tensor | None = None

@@ -62,6 +62,7 @@ class StateView:
     def _previous(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
         if self.capturing or self.cache.prefix_length == 0:
             return None
+        self.cache.state_reads.add(layer_idx)
         entry = self.cache.states.get((layer_idx, kind, state_idx))
         if entry is None:
             raise PrefixFlowError(
@@ -205,6 +206,11 @@ def enable_states(model: torch.nn.Module) -> int:
             module.register_forward_pre_hook(_before_mixer, with_kwargs=True)
             module.register_forward_hook(_after_mixer)
     return len(found)
+
+
+def mixer_layers(model: torch.nn.Module) -> set[int]:
+    """The layer indices of `model`'s hooked recurrent mixers."""
+    return {m.layer_idx for m in model.modules() if getattr(m, _HOOKED, False)}
 
 
 def has_states(model: torch.nn.Module) -> bool:

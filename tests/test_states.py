@@ -139,7 +139,8 @@ def _side_by_side(model, candidate, seed=2):
 
 def test_broken_without_the_state_the_suffixes_are_wrong(monkeypatch):
     """Not carrying the state: the waves start every recurrent layer from zero."""
-    monkeypatch.setattr(states.StateView, "_previous", lambda self, *args: None)
+    previous = states.StateView._previous
+    monkeypatch.setattr(states.StateView, "_previous", lambda self, *args: (previous(self, *args), None)[1])
     model = tiny_hybrid("qwen3_5_text", {})
     with pytest.raises(AssertionError):
         _side_by_side(model, hf_prefixflow.apply_prefixflow(copy.deepcopy(model)))
@@ -167,8 +168,16 @@ def test_broken_checkpointing_that_drops_the_cache_is_caught(monkeypatch):
     model = _checkpointed(tiny_hybrid("lfm2", HYBRIDS["lfm2"]))
     candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
     architecture.recompute_in_float64(candidate)
-    with pytest.raises(AssertionError):
+    with pytest.raises(PrefixFlowError, match="did not receive PrefixFlow.s pass marker in the prompt.s forward"):
         _side_by_side(model, candidate)
+
+
+def test_a_model_that_drops_the_marker_before_its_mixers_is_refused():
+    """Mamba2ForCausalLM calls its backbone with a fixed argument list: the waves' marker never reaches the mixers,
+    which would start from a zero state. The wave checks that every captured state was read."""
+    model = transformers.Mamba2ForCausalLM(architecture.tiny_config(AutoConfig.for_model("mamba2")))
+    with pytest.raises(PrefixFlowError, match=r"recurrent layers \[0, 1\] did not receive"):
+        hf_prefixflow.apply_prefixflow(model)
 
 
 def test_broken_a_padded_prompt_is_not_the_prompt():
