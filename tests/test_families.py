@@ -13,7 +13,7 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from hf_prefixflow import architecture
+from hf_prefixflow import architecture, states
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -36,9 +36,11 @@ CASES = [
     ("deepseek_v3", {}, families.EXACT, []),  # MLA, a dense layer then an MoE one
     ("phimoe", {}, families.EXACT, []),
     ("phimoe", {"sliding_window": 4}, families.EXACT, []),  # the window only its masks carry, read from the config
-    ("lfm2", LFM2_CONV, families.REFUSED, ["Lfm2ForCausalLM", "'conv'", "convolution"]),
-    ("falcon_h1", {}, families.REFUSED, ["FalconH1ForCausalLM", "state-space"]),
-    ("qwen3_next", {}, families.REFUSED, ["Qwen3NextForCausalLM", "'linear_attention'"]),
+    ("lfm2", LFM2_CONV, families.EXACT, []),  # recurrent states cached like K/V (`states`)
+    ("falcon_h1", {}, families.EXACT, []),
+    ("qwen3_next", {}, families.EXACT, []),
+    ("jamba", {}, families.REFUSED, ["JambaMambaMixer", "zero state"]),  # Mamba1: its scan never continues
+    ("minimax", {}, families.REFUSED, ["MiniMaxForCausalLM", "cache API"]),
     ("falcon", {}, families.REFUSED, ["FalconForCausalLM", "AttentionInterface"]),
     ("dory", {}, families.REFUSED, ["ran more than once in one forward"]),  # looped layers
 ]
@@ -59,8 +61,10 @@ def test_accepted_families_train_exactly_and_the_rest_are_refused(model_type, op
 
 
 def test_without_the_checks_the_sweep_flags_lfm2_with_conv_layers(monkeypatch):
-    """The broken variant: with the structural check and the probe gone, apply_prefixflow accepts LFM2's
-    convolution layers and the sweep's exactness check catches the wrong gradients."""
+    """The broken variant: with the convolution's state not cached (nor the checks and the probe to notice),
+    apply_prefixflow accepts LFM2's convolution layers and the sweep's exactness check catches the wrong
+    gradients."""
+    monkeypatch.setattr(states, "enable_states", lambda model: 0)
     monkeypatch.setattr(architecture, "check_structure", lambda model: None)
     monkeypatch.setattr(architecture, "probe", lambda model: architecture.ProbeResult())
     found, detail, _ = run("lfm2", LFM2_CONV)
