@@ -4,15 +4,14 @@
     python benchmarks/hybrid_group.py --shape nemotron_h --criterion-only --out DIR
 
 Random-weight models of a real family's layer pattern, bf16, one device, the same kernels on both sides (a fused
-package where installed, e.g. flash-linear-attention, else transformers' PyTorch path; each row names which ran). Timed: the
-baseline trains `[P || S_i]` one row per microbatch; PrefixFlow runs Phase A, the completions in waves, and Phase C;
-both with layer checkpointing (non-reentrant) and each step synchronised. The FLOP ratio counts matmul weights for
-every token and the quadratic attention term on attention layers only; the recurrent scans' own work, linear in
-the tokens, is left out, so the ratio is not a bound where the scans cost much (transformers' PyTorch path): the
-token ratio then bounds it from above. The criterion (`benchmarks/criterion.py`): per parameter,
+package where installed, e.g. flash-linear-attention, else transformers' PyTorch path; each row names which ran).
+Timed: the baseline trains `[P || S_i]` one row per microbatch; PrefixFlow runs Phase A, the completions in waves,
+and Phase C; both with layer checkpointing (non-reentrant) and each step synchronised. The FLOP ratio counts matmul
+weights for every token and the quadratic attention term on attention layers only; the recurrent scans' own work,
+linear in the tokens, is left out, so the ratio is not a bound where the scans cost much (transformers' PyTorch
+path): the token ratio then bounds it from above. The criterion (`benchmarks/criterion.py`): per parameter,
 PrefixFlow's gradient error against an fp32 full-sequence reference over the bf16 baseline's own, at most 1.2; a
-broken variant (the recurrent states' gradients dropped before Phase C) must fail it.
-"""
+broken variant (the recurrent states' gradients dropped before Phase C) must fail it."""
 
 from __future__ import annotations
 
@@ -162,7 +161,8 @@ def speed(args) -> dict:
     model.train()
     prefix, suffixes, weights = data(model.config.vocab_size, args.prefix, args.suffix, args.n, "cuda")
     pf_model = hf_prefixflow.apply_prefixflow(model)
-    row = dict(shape=args.shape, prefix=args.prefix, suffix=args.suffix, n=args.n, wave=args.wave, kernels=kernels(model),
+    row = dict(shape=args.shape, prefix=args.prefix, suffix=args.suffix, n=args.n, wave=args.wave,
+               kernels=kernels(model),
                checkpointing="full (non-reentrant), both sides",
                params_b=sum(p.numel() for p in model.parameters()) / 1e9,
                flop_ratio=flop_ratio(model, args.prefix, [args.suffix] * args.n))

@@ -164,14 +164,19 @@ _SIZES = {
     "mamba_chunk_size": 4, "n_groups": 2, "mamba_n_groups": 2, "mamba_ngroups": 2, "attention_head_dim": 16,
     "attention_hidden_size": 64, "linear_num_heads": 4, "linear_head_dim": 8, "linear_key_head_dim": 8,
     "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    # sparse-attention indexers, left unset by some default configs
+    "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+    "indexer_compress_ratio": 2,
     # encoder-decoder and fairseq-style names
     "d_model": 32, "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 48,
     "encoder_ffn_dim": 48, "decoder_layers": 2, "encoder_layers": 2,
 }
-_AT_MOST = ("n_groups", "mamba_n_groups", "mamba_ngroups", "num_shared_experts", "n_shared_experts", "num_experts_per_tok", "moe_topk", "rotary_dim",
+_AT_MOST = ("n_groups", "mamba_n_groups", "mamba_ngroups", "num_shared_experts", "n_shared_experts",
+            "num_experts_per_tok", "moe_topk", "rotary_dim",
             "first_k_dense_replace", "num_dense_layers", "decoder_layers", "encoder_layers")
 # Left unset (None) by some families' default configs although their layers need them.
-_UNSET = ("head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+_UNSET = ("head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "indexer_n_heads",
+          "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 # Vision and audio towers and their projectors: the probe feeds text only, so they need only be built, and small.
 _TOWER_SIZES = {
     "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_heads": 4, "head_dim": 8,
