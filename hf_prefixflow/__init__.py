@@ -30,7 +30,8 @@ def _trainer(module: str, name: str):
 
 
 _PAIR_TRAINERS = {"PrefixFlowDPOConfig": "dpo", "PrefixFlowDPOTrainer": "dpo", "PrefixFlowRewardConfig": "reward",
-                  "PrefixFlowRewardTrainer": "reward"}
+                  "PrefixFlowRewardTrainer": "reward", "PrefixFlowOnlineDPOConfig": "online_dpo",
+                  "PrefixFlowOnlineDPOTrainer": "online_dpo"}
 
 
 def __getattr__(name: str):
@@ -55,6 +56,8 @@ __all__ = [
     "PrefixFlowError",
     "PrefixFlowGRPOConfig",
     "PrefixFlowGRPOTrainer",
+    "PrefixFlowOnlineDPOConfig",
+    "PrefixFlowOnlineDPOTrainer",
     "PrefixFlowRewardConfig",
     "PrefixFlowRewardTrainer",
     "PrefixFlowRLOOConfig",

@@ -356,3 +356,18 @@ def sdpa_grouped_by_shapes():
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+# `trl.experimental.online_dpo.OnlineDPOTrainer._forward`, which `PrefixFlowOnlineDPOTrainer` overrides: its parameters
+# after self (TRL 1.14.1-1.16). Another signature sends the run to the plain path.
+ONLINE_DPO_FORWARD = ("model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "vision_inputs")
+
+
+def online_dpo_forward_matches(trainer_class: type) -> bool:
+    """Whether `trainer_class._forward` takes `ONLINE_DPO_FORWARD` (TRL's private scoring call of Online DPO)."""
+    import inspect
+
+    method = getattr(trainer_class, "_forward", None)
+    if method is None:
+        return False
+    return tuple(inspect.signature(method).parameters)[1:] == ONLINE_DPO_FORWARD

@@ -2,8 +2,10 @@
 
 from .dpo import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
 from .grpo import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from .online_dpo import PrefixFlowOnlineDPOConfig, PrefixFlowOnlineDPOTrainer
 from .reward import PrefixFlowRewardConfig, PrefixFlowRewardTrainer
 from .rloo import PrefixFlowRLOOConfig, PrefixFlowRLOOTrainer
 
 __all__ = ["PrefixFlowDPOConfig", "PrefixFlowDPOTrainer", "PrefixFlowGRPOConfig", "PrefixFlowGRPOTrainer",
-           "PrefixFlowRewardConfig", "PrefixFlowRewardTrainer", "PrefixFlowRLOOConfig", "PrefixFlowRLOOTrainer"]
+           "PrefixFlowOnlineDPOConfig", "PrefixFlowOnlineDPOTrainer", "PrefixFlowRewardConfig",
+           "PrefixFlowRewardTrainer", "PrefixFlowRLOOConfig", "PrefixFlowRLOOTrainer"]

@@ -1,0 +1,246 @@
+"""PrefixFlowOnlineDPOTrainer against TRL's OnlineDPOTrainer: same float64 model, seed, data, config and frozen
+completions (generation replaced by a deterministic stand-in), a reward function; loss, every gradient, the weights
+after optimizer steps and TRL's metrics within 1e-5 relative. The broken variants (the two completions' log-probs
+swapped in the shared run, Phase C dropped) fail the same check.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import TrainerCallback
+from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+from trl.experimental.utils import truncate_right
+
+import grpo_setup as setup
+from equivalence import assert_rel_close
+from hf_prefixflow import _compat
+from hf_prefixflow import PrefixFlowOnlineDPOConfig, PrefixFlowOnlineDPOTrainer
+from hf_prefixflow.trainers import dpo as pf_dpo
+from hf_prefixflow.trainers import online_dpo as pf_online
+
+MAX_NEW = 8
+# Metrics computed from the log-probs TRL's `_forward` returns at the padding after a completion's EOS, which its loss
+# masks out (docs/online_dpo.md): equal only where no completion is padded.
+PADDING_METRICS = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward"}
+
+
+def freeze_generation(trainer, pad: bool = True) -> None:
+    """Replace sampling by two completions per prompt that depend only on the prompt, the copy and the call count,
+    returned as `OnlineDPOTrainer._generate` returns them: left-padded prompts repeated twice, completions cut after
+    their first EOS. `pad=False`: every completion runs the full `MAX_NEW` tokens, no EOS (no padding)."""
+    calls = {"n": 0}
+    tokenizer = trainer.processing_class
+
+    def generate(model, prompts, images=None):
+        calls["n"] += 1
+        batch = tokenizer(text=list(prompts), return_tensors="pt", padding=True, padding_side="left",
+                          add_special_tokens=False)
+        prompt_ids, prompt_mask = batch["input_ids"].repeat(2, 1), batch["attention_mask"].repeat(2, 1)
+        rows = []
+        for index, prompt in enumerate(2 * list(prompts)):
+            rng = random.Random(hash((prompt, index, calls["n"])) & 0xFFFFFFFF)
+            tokens = [rng.randrange(3, len(setup.SPECIALS) + len(setup.WORDS)) for _ in range(MAX_NEW)]
+            if pad and rng.random() < 0.8:
+                tokens[rng.randrange(0, MAX_NEW - 1)] = tokenizer.eos_token_id
+            rows.append(tokens)
+        completion_ids, completion_mask = truncate_right(torch.tensor(rows), tokenizer.eos_token_id,
+                                                         tokenizer.pad_token_id)
+        return prompt_ids, prompt_mask, completion_ids, completion_mask, None
+
+    trainer._generate = generate
+
+
+class GradientRecorder(TrainerCallback):
+    """Every parameter's gradient just before each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+
+def options(tmp_path, **overrides) -> dict:
+    # SGD and no clipping: the updates are linear in the gradients, so their tolerance carries over to the weights.
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to="none", use_cpu=True,
+                save_strategy="no", learning_rate=0.5, optim="sgd", seed=3, bf16=False, max_grad_norm=0.0,
+                logging_steps=1, beta=0.5, max_new_tokens=MAX_NEW, max_length=128, disable_tqdm=True)
+    base.update(overrides)
+    return base
+
+
+def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_config=False, pad=True, **overrides):
+    if trainer_cls is not OnlineDPOTrainer and not plain_config:
+        args = PrefixFlowOnlineDPOConfig(**options(tmp_path / "pf", **overrides),
+                                         **{"prefixflow_min_prefix_tokens": 2, "prefixflow_min_speedup": 1.0,
+                                            **(prefixflow or {})})
+    else:
+        args = OnlineDPOConfig(**options(tmp_path / trainer_cls.__name__, **overrides))
+    ref_model = None if peft_config is not None else copy.deepcopy(base)
+    trainer = trainer_cls(model=copy.deepcopy(base), ref_model=ref_model, reward_funcs=setup.length_reward, args=args,
+                          train_dataset=setup.make_dataset(prompts=8, lengths=(10, 30)),
+                          processing_class=setup.make_tokenizer(), peft_config=peft_config)
+    freeze_generation(trainer, pad)
+    return trainer
+
+
+def train(trainer):
+    recorder = GradientRecorder(trainer.model)
+    trainer.add_callback(recorder)
+    losses = []
+    step = trainer.training_step
+
+    def recording(*args, **kwargs):
+        loss = step(*args, **kwargs)
+        losses.append(loss.detach().clone())
+        return loss
+
+    trainer.training_step = recording
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return recorder.steps, start, weights, losses, trainer.state.log_history
+
+
+def assert_aligned(stock, prefixflow, rtol=1e-5, skip_metrics=PADDING_METRICS):
+    """Every microbatch's loss, every gradient before every optimizer step, every weight's total update, and every
+    metric TRL logs (PrefixFlow's own and the run's timings aside)."""
+    (stock_grads, start, stock_weights, stock_losses, stock_logs) = stock
+    (pf_grads, _, pf_weights, pf_losses, pf_logs) = prefixflow
+    assert len(stock_grads) == len(pf_grads) > 0 and len(stock_losses) == len(pf_losses) > 0
+    for step, (expected, actual) in enumerate(zip(stock_losses, pf_losses)):
+        assert_rel_close(actual, expected, f"microbatch {step} loss", rtol)
+    for step, (expected, actual) in enumerate(zip(stock_grads, pf_grads)):
+        assert expected.keys() == actual.keys() and expected
+        for name in expected:
+            assert_rel_close(actual[name], expected[name], f"step {step} grad {name}", rtol)
+    for name in stock_weights:
+        assert_rel_close(pf_weights[name] - start[name], stock_weights[name] - start[name], f"update {name}", rtol)
+    assert len(stock_logs) == len(pf_logs)
+    compared = 0
+    for expected, actual in zip(stock_logs, pf_logs):
+        for key, value in expected.items():
+            if key in skip_metrics or "runtime" in key or "per_second" in key:
+                continue
+            assert_rel_close(torch.tensor(actual[key]), torch.tensor(value), f"metric {key}", rtol)
+            compared += 1
+    assert compared
+
+
+_STOCK: dict[str, tuple] = {}
+
+
+def stock_run(base, tmp_path, **kwargs):
+    """TRL's run for these settings, trained once per module (several tests compare against the same one)."""
+    key = repr(sorted(kwargs.items()))
+    if key not in _STOCK:
+        _STOCK[key] = train(build(OnlineDPOTrainer, base, tmp_path, **kwargs))
+    return _STOCK[key]
+
+
+@pytest.fixture(scope="module")
+def base():
+    return setup.make_model(dtype=torch.float64)
+
+
+def metric(logs, name) -> float:
+    return sum(entry.get(name, 0.0) for entry in logs)
+
+
+def test_matches_stock_reference_model(base, tmp_path):
+    """A separate reference model (scored in its own no-grad groups); TRL's default gradient checkpointing."""
+    stock = stock_run(base, tmp_path, loss_type="sigmoid")
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, loss_type="sigmoid"))
+    assert_aligned(stock, prefixflow)
+    logs = prefixflow[-1]
+    assert metric(logs, "prefixflow/groups") > 0 and metric(logs, "prefixflow/scoring_groups") > 0
+    assert metric(logs, "prefixflow/fallback_rows") == 0
+
+
+def test_matches_stock_every_metric_without_padding(base, tmp_path):
+    """With no completion padded, the metrics read from padded positions agree too."""
+    stock = train(build(OnlineDPOTrainer, base, tmp_path, pad=False))
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, pad=False))
+    assert_aligned(stock, prefixflow, skip_metrics=set())
+
+
+def test_matches_stock_lora_accumulation(base, tmp_path):
+    """PEFT: the reference is the adapter disabled, scored in no-grad groups inside the training session; two
+    microbatches per optimizer step; the IPO loss; checkpointing off."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    settings = dict(peft_config=lora, gradient_accumulation_steps=2, loss_type="ipo", gradient_checkpointing=False)
+    stock = train(build(OnlineDPOTrainer, base, tmp_path, **settings))
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, **settings))
+    assert_aligned(stock, prefixflow)
+    assert metric(prefixflow[-1], "prefixflow/scoring_groups") > 0
+
+
+def test_plain_config_mixes_shared_and_plain_pairs(base, tmp_path):
+    """A plain `OnlineDPOConfig` gets the defaults: prompts under 16 tokens take the plain path in the same call as
+    shared pairs, counted in prefixflow/fallback_rows."""
+    stock = train(build(OnlineDPOTrainer, base, tmp_path, per_device_train_batch_size=4))
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, plain_config=True,
+                             per_device_train_batch_size=4))
+    assert_aligned(stock, prefixflow)
+    logs = prefixflow[-1]
+    assert metric(logs, "prefixflow/groups") > 0 and metric(logs, "prefixflow/fallback_rows") > 0
+
+
+def test_all_plain_is_stock(base, tmp_path, caplog):
+    stock = stock_run(base, tmp_path, loss_type="sigmoid")
+    with caplog.at_level("WARNING"):
+        prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path,
+                                 prefixflow={"prefixflow_min_prefix_tokens": 1000}))
+    assert_aligned(stock, prefixflow, skip_metrics=set())
+    assert metric(prefixflow[-1], "prefixflow/groups") == 0 and metric(prefixflow[-1], "prefixflow/fallback_rows") > 0
+    assert "prefixflow_min_prefix_tokens" in caplog.text
+
+
+class _SwappedPairs(PrefixFlowOnlineDPOTrainer):
+    """Broken: each shared pair's two rows of log-probs trade places."""
+
+    def _shared_pairs(self, model, pairs, *args):
+        out = super()._shared_pairs(model, pairs, *args)
+        for pair in pairs:
+            i, j = pair.rows
+            out[i], out[j] = out[j], out[i]
+        return out
+
+
+def _drop_phase_c(self, error=None):
+    """Broken: the groups are freed without the delayed prefix backward."""
+    session, self.session, self.hidden = self.session, None, []
+    if session is not None:
+        session.finish(RuntimeError("prefix gradient dropped"))
+
+
+@pytest.mark.parametrize("broken", ["swapped", "no_phase_c"])
+def test_broken_variants_fail(base, tmp_path, monkeypatch, broken):
+    stock = stock_run(base, tmp_path, loss_type="sigmoid")
+    if broken == "no_phase_c":
+        monkeypatch.setattr(pf_dpo.PairScorer, "phase_c", _drop_phase_c)
+    cls = _SwappedPairs if broken == "swapped" else PrefixFlowOnlineDPOTrainer
+    with pytest.raises(AssertionError):
+        assert_aligned(stock, train(build(cls, base, tmp_path)))
+
+
+def test_fallback_reasons(base, tmp_path):
+    """Runs the groups cannot make exact train on the stock path; nothing is refused."""
+    trainer = build(PrefixFlowOnlineDPOTrainer, base, tmp_path, gradient_checkpointing=True,
+                    gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert trainer._reason == "reentrant activation checkpointing"
+    # TRL's private scoring call as this TRL has it; another signature sends the run to the plain path.
+    assert _compat.online_dpo_forward_matches(OnlineDPOTrainer)
+
+    class Renamed(OnlineDPOTrainer):
+        def _forward(self, model, input_ids, attention_mask):
+            return None
+
+    assert not _compat.online_dpo_forward_matches(Renamed)
+    assert pf_online.left_padded_lengths(torch.tensor([[0, 1, 1], [1, 1, 1]])) == [2, 3]
+    assert pf_online.left_padded_lengths(torch.tensor([[1, 0, 1]])) is None
