@@ -74,7 +74,8 @@ def options(tmp_path, **overrides) -> dict:
     return base
 
 
-def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_config=False, pad=True, **overrides):
+def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_config=False, pad=True, freeze=True,
+          **overrides):
     if trainer_cls is not OnlineDPOTrainer and not plain_config:
         args = PrefixFlowOnlineDPOConfig(**options(tmp_path / "pf", **overrides),
                                          **{"prefixflow_min_prefix_tokens": 2, "prefixflow_min_speedup": 1.0,
@@ -85,7 +86,8 @@ def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_
     trainer = trainer_cls(model=copy.deepcopy(base), ref_model=ref_model, reward_funcs=setup.length_reward, args=args,
                           train_dataset=setup.make_dataset(prompts=8, lengths=(10, 30)),
                           processing_class=setup.make_tokenizer(), peft_config=peft_config)
-    freeze_generation(trainer, pad)
+    if freeze:
+        freeze_generation(trainer, pad)
     return trainer
 
 
@@ -167,6 +169,14 @@ def test_matches_stock_every_metric_without_padding(base, tmp_path):
     stock = train(build(OnlineDPOTrainer, base, tmp_path, pad=False))
     prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, pad=False))
     assert_aligned(stock, prefixflow, skip_metrics=set())
+
+
+def test_real_generation_matches_stock(base, tmp_path):
+    """TRL's own sampling on the switched model: the same seed gives both trainers the same completions."""
+    stock = train(build(OnlineDPOTrainer, base, tmp_path, freeze=False, gradient_checkpointing=False))
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, freeze=False, gradient_checkpointing=False))
+    assert_aligned(stock, prefixflow)
+    assert metric(prefixflow[-1], "prefixflow/groups") > 0
 
 
 def test_matches_stock_lora_accumulation(base, tmp_path):
