@@ -34,7 +34,7 @@ from . import _compat as compat
 from . import split_attention
 from .errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
-from .layouts import PREFIX, Wave
+from .layouts import PADDING, PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish
 
 if TYPE_CHECKING:
@@ -189,6 +189,7 @@ def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: 
 
     key_seg, key_pos = wave.key_geometry()
     q_seg, q_pos, cached, first = wave.segment_ids, wave.position_ids, wave.cached_length, wave.position_offset
+    sees_row = wave.padding_sees_row
 
     def mask_mod(b, h, q, kv):
         own = (key_seg[b, kv] == q_seg[b, q]) & (key_seg[b, kv] >= 0) & (key_pos[b, kv] <= q_pos[b, q])
@@ -197,6 +198,10 @@ def _block_mask(wave: Wave, window: int | None, query: torch.Tensor, kv_length: 
             allowed = allowed & (q_pos[b, q] - key_pos[b, kv] < window)
         if chunk is not None:
             allowed = allowed & ((q_pos[b, q] - first) // chunk == (key_pos[b, kv] - first) // chunk)
+        if sees_row:  # a padding query: its row's earlier real keys, not itself (`Wave.padding_sees_row`)
+            pad = q_seg[b, q] == PADDING
+            row = pad & (key_seg[b, kv] >= 0) & (key_pos[b, kv] <= q_pos[b, q])
+            return allowed | row | ((kv - cached == q) & ~pad)
         return allowed | (kv - cached == q)
 
     return create_block_mask(mask_mod, query.shape[0], None, query.shape[2], kv_length, device=query.device)

@@ -39,6 +39,9 @@ class Wave:
         segment_lengths: packed only, `[L_1, ..., L_n]` tokens per suffix; `[]` for padded rows.
         routes: MoE routing replay, `[layers, B, S, k]` int aligned with `input_ids`, or None.
         router_logits: MoE, None or a dict the forward fills with each layer's router logits `[B*S, E]`.
+        padding_sees_row: padded rows only: a padding query attends as in a stock padded sequence (the prefix and its
+            row's earlier real keys, not itself) instead of bottom-right causally; for callers that read padded
+            positions' outputs (Online DPO's metrics). Costs the masked kernel instead of the causal one.
     """
 
     input_ids: torch.Tensor
@@ -50,12 +53,13 @@ class Wave:
     segment_lengths: list[int] = field(default_factory=list)
     routes: torch.Tensor | None = None
     router_logits: dict | None = None
+    padding_sees_row: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_plain_causal(self) -> bool:
         """Right-padded rows with one suffix each: bottom-right causality alone gives every real query its keys."""
-        return not self.packed
+        return not self.packed and not self.padding_sees_row
 
     def visible(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
         """Which keys each query attends to: every cached prefix key and, causally, the real keys of its own
@@ -92,6 +96,8 @@ class Wave:
         q_seg, q_pos = self.segment_ids[:, :, None], self.position_ids[:, :, None]
         k_seg, k_pos = key_seg[:, None, :], key_pos[:, None, :]
         own = (k_seg == q_seg) & (k_seg != PADDING) & (k_pos <= q_pos)
+        if self.padding_sees_row:
+            own |= (q_seg == PADDING) & (k_seg >= 0) & (k_pos <= q_pos)
         allowed = (k_seg == PREFIX) | own
         if window is not None:
             allowed &= q_pos - k_pos < window
@@ -99,7 +105,10 @@ class Wave:
             allowed &= (q_pos - self.position_offset) // chunk == (k_pos - self.position_offset) // chunk
         # A padding query sees at least itself, so no softmax row is empty (its output is never used).
         size = self.input_ids.shape[1]
-        allowed[:, :, self.cached_length :] |= torch.eye(size, dtype=torch.bool, device=allowed.device)
+        eye = torch.eye(size, dtype=torch.bool, device=allowed.device)
+        if self.padding_sees_row:  # only where a padding query would see nothing else
+            eye = eye & ~allowed.any(-1, keepdim=True)
+        allowed[:, :, self.cached_length :] |= eye
         return allowed[:, None]
 
 

@@ -17,16 +17,14 @@ from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from trl.experimental.utils import truncate_right
 
 import grpo_setup as setup
+import hf_prefixflow
 from equivalence import assert_rel_close
-from hf_prefixflow import _compat
+from hf_prefixflow import _compat, layouts
 from hf_prefixflow import PrefixFlowOnlineDPOConfig, PrefixFlowOnlineDPOTrainer
 from hf_prefixflow.trainers import dpo as pf_dpo
 from hf_prefixflow.trainers import online_dpo as pf_online
 
 MAX_NEW = 8
-# Metrics computed from the log-probs TRL's `_forward` returns at the padding after a completion's EOS, which its loss
-# masks out (docs/online_dpo.md): equal only where no completion is padded.
-PADDING_METRICS = {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward"}
 
 
 def freeze_generation(trainer, pad: bool = True) -> None:
@@ -109,7 +107,7 @@ def train(trainer):
     return recorder.steps, start, weights, losses, trainer.state.log_history
 
 
-def assert_aligned(stock, prefixflow, rtol=1e-5, skip_metrics=PADDING_METRICS):
+def assert_aligned(stock, prefixflow, rtol=1e-5):
     """Every microbatch's loss, every gradient before every optimizer step, every weight's total update, and every
     metric TRL logs (PrefixFlow's own and the run's timings aside)."""
     (stock_grads, start, stock_weights, stock_losses, stock_logs) = stock
@@ -127,7 +125,7 @@ def assert_aligned(stock, prefixflow, rtol=1e-5, skip_metrics=PADDING_METRICS):
     compared = 0
     for expected, actual in zip(stock_logs, pf_logs):
         for key, value in expected.items():
-            if key in skip_metrics or "runtime" in key or "per_second" in key:
+            if "runtime" in key or "per_second" in key:
                 continue
             assert_rel_close(torch.tensor(actual[key]), torch.tensor(value), f"metric {key}", rtol)
             compared += 1
@@ -168,7 +166,7 @@ def test_matches_stock_every_metric_without_padding(base, tmp_path):
     """With no completion padded, the metrics read from padded positions agree too."""
     stock = train(build(OnlineDPOTrainer, base, tmp_path, pad=False))
     prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, pad=False))
-    assert_aligned(stock, prefixflow, skip_metrics=set())
+    assert_aligned(stock, prefixflow)
 
 
 def test_real_generation_matches_stock(base, tmp_path):
@@ -206,7 +204,7 @@ def test_all_plain_is_stock(base, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path,
                                  prefixflow={"prefixflow_min_prefix_tokens": 1000}))
-    assert_aligned(stock, prefixflow, skip_metrics=set())
+    assert_aligned(stock, prefixflow)
     assert metric(prefixflow[-1], "prefixflow/groups") == 0 and metric(prefixflow[-1], "prefixflow/fallback_rows") > 0
     assert "prefixflow_min_prefix_tokens" in caplog.text
 
@@ -229,14 +227,18 @@ def _drop_phase_c(self, error=None):
         session.finish(RuntimeError("prefix gradient dropped"))
 
 
-@pytest.mark.parametrize("broken", ["swapped", "no_phase_c"])
+@pytest.mark.parametrize("broken", ["swapped", "no_phase_c", "causal_padding"])
 def test_broken_variants_fail(base, tmp_path, monkeypatch, broken):
     stock = stock_run(base, tmp_path, loss_type="sigmoid")
     if broken == "no_phase_c":
         monkeypatch.setattr(pf_dpo.PairScorer, "phase_c", _drop_phase_c)
+    if broken == "causal_padding":  # padded positions computed bottom-right causally: TRL's KL and entropy differ
+        monkeypatch.setattr(layouts.Wave, "padding_sees_row", property(lambda self: False, lambda self, value: None))
     cls = _SwappedPairs if broken == "swapped" else PrefixFlowOnlineDPOTrainer
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as caught:
         assert_aligned(stock, train(build(cls, base, tmp_path)))
+    if broken == "causal_padding":
+        assert "metric objective/" in str(caught.value)
 
 
 def test_fallback_reasons(base, tmp_path):
@@ -254,3 +256,42 @@ def test_fallback_reasons(base, tmp_path):
     assert not _compat.online_dpo_forward_matches(Renamed)
     assert pf_online.left_padded_lengths(torch.tensor([[0, 1, 1], [1, 1, 1]])) == [2, 3]
     assert pf_online.left_padded_lengths(torch.tensor([[1, 0, 1]])) is None
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_padding_sees_row_is_the_stock_padded_row(implementation):
+    """`Wave.padding_sees_row`: every position of a padded wave, padding included, equals the full padded sequence's
+    output."""
+    torch.manual_seed(0)
+    model = setup.make_model(dtype=torch.float64)
+    model.config._attn_implementation = implementation
+    hf_prefixflow.apply_prefixflow(model)
+    prompt = torch.randint(3, 90, (9,))
+    completions = torch.randint(3, 90, (2, 6))
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        full = model(torch.cat([prompt.expand(2, -1), completions], 1),
+                     attention_mask=torch.cat([torch.ones(2, 9, dtype=torch.long), mask], 1)).logits[:, 8:-1]
+        with hf_prefixflow.prefix_group(model, prompt) as group:
+            wave = group.padded_wave(completions, attention_mask=mask)
+            wave.padding_sees_row = True
+            shared = group.run_wave(wave).logits
+            causal = group(completions, attention_mask=mask).logits
+    assert_rel_close(shared, full, f"{implementation} padded wave")
+    assert_rel_close(causal[mask.bool()], full[mask.bool()], "real positions")
+    assert not torch.allclose(causal[0, 4:], full[0, 4:])  # padding queries: bottom-right causal differs
+
+
+def test_padding_sees_row_flex_mask_is_the_dense_mask():
+    """FlexAttention's mask function (FlexAttention on a CPU refuses float64) allows what `Wave.visible` does."""
+    from hf_prefixflow import attention
+
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    wave = layouts.padded_wave(torch.tensor([[5]]), torch.randint(3, 90, (2, 6)), mask, cached_length=8)
+    wave.padding_sees_row = True
+    dense = wave.visible(None)[:, 0]
+    query = torch.zeros(2, 4, 6, 8)
+    block = attention._block_mask(wave, None, query, 14)
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(6), torch.arange(14), indexing="ij")
+    assert torch.equal(block.mask_mod(b, 0, q, kv), dense)
+    assert not dense[0, 4, 8 + 4] and dense[0, 4, 8 + 3] and not dense[0, 4, 8 + 5]  # not itself; real keys only

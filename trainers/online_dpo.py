@@ -215,8 +215,12 @@ class PrefixFlowOnlineDPOTrainer(OnlineDPOTrainer):
                     session.add(group)
                 opened.append(group)
                 index = torch.tensor([i, j], device=completion_ids.device)
-                ids = completion_ids[index]
-                logits = group(ids, attention_mask=completion_mask[index]).logits  # [2, C, V]
+                ids, mask = completion_ids[index], completion_mask[index]
+                wave = group.padded_wave(ids, attention_mask=mask)
+                # TRL's metrics read the log-probs after a completion's EOS too: those padding queries attend as
+                # in the stock padded row (its real keys, not themselves).
+                wave.padding_sees_row = not bool(mask.bool().all())
+                logits = group.run_wave(wave).logits  # [2, C, V]
                 logprobs = torch.take_along_dim(logits.log_softmax(dim=-1), ids.unsqueeze(-1), dim=2).squeeze(-1)
                 out[i], out[j] = logprobs[0], logprobs[1]
         except BaseException as exc:
