@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import TrainerCallback
+from transformers import Qwen3ForSequenceClassification, TrainerCallback
 from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from trl.experimental.utils import truncate_right
 
@@ -73,7 +73,7 @@ def options(tmp_path, **overrides) -> dict:
 
 
 def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_config=False, pad=True, freeze=True,
-          **overrides):
+          reward=setup.length_reward, **overrides):
     if trainer_cls is not OnlineDPOTrainer and not plain_config:
         args = PrefixFlowOnlineDPOConfig(**options(tmp_path / "pf", **overrides),
                                          **{"prefixflow_min_prefix_tokens": 2, "prefixflow_min_speedup": 1.0,
@@ -81,9 +81,13 @@ def build(trainer_cls, base, tmp_path, peft_config=None, prefixflow=None, plain_
     else:
         args = OnlineDPOConfig(**options(tmp_path / trainer_cls.__name__, **overrides))
     ref_model = None if peft_config is not None else copy.deepcopy(base)
-    trainer = trainer_cls(model=copy.deepcopy(base), ref_model=ref_model, reward_funcs=setup.length_reward, args=args,
+    tokenizer = setup.make_tokenizer()
+    reward_model = isinstance(reward, torch.nn.Module)
+    trainer = trainer_cls(model=copy.deepcopy(base), ref_model=ref_model, args=args,
+                          reward_funcs=copy.deepcopy(reward) if reward_model else reward,
+                          reward_processing_classes=tokenizer if reward_model else None,
                           train_dataset=setup.make_dataset(prompts=8, lengths=(10, 30)),
-                          processing_class=setup.make_tokenizer(), peft_config=peft_config)
+                          processing_class=tokenizer, peft_config=peft_config)
     if freeze:
         freeze_generation(trainer, pad)
     return trainer
@@ -173,6 +177,17 @@ def test_real_generation_matches_stock(base, tmp_path):
     """TRL's own sampling on the switched model: the same seed gives both trainers the same completions."""
     stock = train(build(OnlineDPOTrainer, base, tmp_path, freeze=False, gradient_checkpointing=False))
     prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, freeze=False, gradient_checkpointing=False))
+    assert_aligned(stock, prefixflow)
+    assert metric(prefixflow[-1], "prefixflow/groups") > 0
+
+
+def test_reward_model(base, tmp_path):
+    """A reward model (a tiny sequence classifier built from a config) in place of the reward function."""
+    config = base.config.__class__(**{**base.config.to_dict(), "num_labels": 1})
+    torch.manual_seed(1)
+    reward = Qwen3ForSequenceClassification(config).to(torch.float64)
+    stock = train(build(OnlineDPOTrainer, base, tmp_path, reward=reward, gradient_checkpointing=False))
+    prefixflow = train(build(PrefixFlowOnlineDPOTrainer, base, tmp_path, reward=reward, gradient_checkpointing=False))
     assert_aligned(stock, prefixflow)
     assert metric(prefixflow[-1], "prefixflow/groups") > 0
 
