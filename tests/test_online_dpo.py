@@ -7,7 +7,11 @@ swapped in the shared run, Phase C dropped) fail the same check.
 from __future__ import annotations
 
 import copy
+import os
+import pathlib
 import random
+import sys
+import zlib
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ from hf_prefixflow.trainers import dpo as pf_dpo
 from hf_prefixflow.trainers import online_dpo as pf_online
 
 MAX_NEW = 8
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def freeze_generation(trainer, pad: bool = True) -> None:
@@ -41,7 +46,7 @@ def freeze_generation(trainer, pad: bool = True) -> None:
         prompt_ids, prompt_mask = batch["input_ids"].repeat(2, 1), batch["attention_mask"].repeat(2, 1)
         rows = []
         for index, prompt in enumerate(2 * list(prompts)):
-            rng = random.Random(hash((prompt, index, calls["n"])) & 0xFFFFFFFF)
+            rng = random.Random(zlib.crc32(repr((prompt, index, calls["n"])).encode()))  # stable across processes
             tokens = [rng.randrange(3, len(setup.SPECIALS) + len(setup.WORDS)) for _ in range(MAX_NEW)]
             if pad and rng.random() < 0.8:
                 tokens[rng.randrange(0, MAX_NEW - 1)] = tokenizer.eos_token_id
@@ -310,3 +315,49 @@ def test_padding_sees_row_flex_mask_is_the_dense_mask():
     b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(6), torch.arange(14), indexing="ij")
     assert torch.equal(block.mask_mod(b, 0, q, kv), dense)
     assert not dense[0, 4, 8 + 4] and dense[0, 4, 8 + 3] and not dense[0, 4, 8 + 5]  # not itself; real keys only
+
+
+# -- DDP: two gloo processes -----------------------------------------------------------------------------------------
+
+
+def test_ddp_matches_stock(tmp_path):
+    """Plain DDP: each process shares its prompts, accumulates its backwards and Phase C locally; one all-reduce per
+    step gives the stock trainer's weights on every process."""
+    from launcher import torchrun
+
+    for name in ("stock", "prefixflow"):
+        result = torchrun("test_online_dpo.py", name, str(tmp_path))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stock, pf = (torch.load(tmp_path / f"{name}_rank0.pt") for name in ("stock", "prefixflow"))
+    start = torch.load(tmp_path / "start.pt")
+    for name in stock:
+        assert_rel_close(pf[name] - start[name], stock[name] - start[name], f"update {name}")
+    assert torch.load(tmp_path / "prefixflow_shared.pt") > 0
+    ranks = [torch.load(tmp_path / f"prefixflow_rank{rank}.pt") for rank in (0, 1)]
+    for name, weight in ranks[0].items():
+        assert torch.equal(weight, ranks[1][name]), name
+
+
+def ddp_worker(name: str, out: str) -> None:
+    """One process of `test_ddp_matches_stock`: two steps of two microbatches of two prompts per process."""
+    from launcher import finish_worker
+
+    rank = int(os.environ.get("RANK", 0))
+    base = setup.make_model(dtype=torch.float64)
+    trainer = build(PrefixFlowOnlineDPOTrainer if name == "prefixflow" else OnlineDPOTrainer, base,
+                    pathlib.Path(out) / name, gradient_accumulation_steps=2, ddp_backend="gloo",
+                    gradient_checkpointing=False)
+    assert trainer.accelerator.num_processes == 2
+    if rank == 0 and name == "stock":
+        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, os.path.join(out, "start.pt"))
+    trainer.train()
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.save(weights, os.path.join(out, f"{name}_rank{rank}.pt"))
+    if name == "prefixflow" and rank == 0:
+        torch.save(metric(trainer.state.log_history, "prefixflow/groups"), os.path.join(out, "prefixflow_shared.pt"))
+    finish_worker()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    ddp_worker(*sys.argv[1:3])
