@@ -40,7 +40,7 @@ def __getattr__(name: str):
         return _trainer("grpo", name)
     if name in ("PrefixFlowRLOOTrainer", "PrefixFlowRLOOConfig"):  # RLOO's groups, the same machinery
         return _trainer("rloo", name)
-    if name in _PAIR_TRAINERS:  # preference pairs sharing their common prefix (`trainers/dpo.py`, `reward.py`)
+    if name in _PAIR_TRAINERS:  # pairs sharing a prefix (`trainers/dpo.py`, `reward.py`, `online_dpo.py`)
         return _trainer(_PAIR_TRAINERS[name], name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
