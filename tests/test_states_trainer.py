@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from trl import GRPOTrainer
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOTrainer
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.architecture import float64_throughout, tiny_config
 from test_trainer import assert_aligned, same_microbatches, train  # noqa: F401 - the fixture applies here too
 
@@ -53,6 +53,8 @@ def test_hybrid_swap_under_checkpointing(tmp_path):
 
 
 def test_packed_layout_is_refused_on_a_hybrid_model(tmp_path):
-    with pytest.raises(PrefixFlowError, match="padded"):
+    """At construction, naming the cause and the fix."""
+    with pytest.raises(PrefixFlowError, match="recurrent layers would carry one completion's state into the next; "
+                                              "use prefixflow_layout='padded'"):
         train(PrefixFlowGRPOTrainer, make_hybrid("nemotron_h"), tmp_path, prefixflow_layout="packed",
-              config_cls=__import__("hf_prefixflow").PrefixFlowGRPOConfig)
+              config_cls=PrefixFlowGRPOConfig)

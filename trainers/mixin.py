@@ -47,7 +47,8 @@ from hf_prefixflow.offload import available_host_bytes
 from hf_prefixflow.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
                                    token_bytes)
 from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
-from hf_prefixflow.scheduler import GroupSession, host_pool
+from hf_prefixflow.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
+from hf_prefixflow.states import has_states
 from hf_prefixflow.waves import AutoWaves
 
 from . import multimodal, processing, routing, sequence_parallel
@@ -183,6 +184,7 @@ class PrefixFlowTrainerMixin:
                          suffix_checkpointing=self._suffix_policy is not False, kv_grad_dtype=self._kv_grad_dtype())
         if self.ref_model is not None:
             apply_prefixflow(self.ref_model)
+        self._check_states()
         self._shape = ModelShape.from_config(unwrap(self.model).config)
         self._session: GroupSession | None = None
         self._open: dict[tuple, object] = {}
@@ -292,6 +294,17 @@ class PrefixFlowTrainerMixin:
                 "reentrant activation checkpointing detaches the prefix K/V from the prefix graph. Set "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (TRL's default)."
             )
+
+    def _check_states(self) -> None:
+        """Refuse at construction what a model with recurrent layers cannot train exactly (`states`)."""
+        if not has_states(unwrap(self.model)):
+            return
+        if self.prefixflow_layout == "packed":
+            raise PrefixFlowError(
+                "prefixflow_layout='packed' puts a group's completions end to end in one row, and this model's "
+                "recurrent layers would carry one completion's state into the next; use prefixflow_layout='padded'.")
+        if self._sp is not None or self._split:
+            raise PrefixFlowError(STATES_ON_ONE_PROCESS)
 
     # -- MoE routing replay: record during generation, carry with the batch -----------------------------------
 
