@@ -382,9 +382,34 @@ def _assemble(rows: dict[int, dict], count: int, width: int) -> FusedCausalLMOut
 # -- the trainer -----------------------------------------------------------------------------------------------
 
 
-class PrefixFlowDPOTrainer(DPOTrainer):
+class PairTrainerMixin:
+    """What a pair trainer adds to its TRL trainer: Phase C after each training step (`pair_training_step`), and
+    plain-path rows counted in `prefixflow/fallback_rows`, each reason logged once. `_plain_path` names the stock
+    path in that log line; the trainer sets `_scorer` and `_fallbacks`."""
+
+    _plain_path = "plain"
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
+
+    def _end_session(self, error: BaseException | None = None) -> None:
+        """Phase C for the groups the last training forward opened (none: nothing to do)."""
+        self._scorer.phase_c(error)
+
+    def _count_fallback(self, reason: str, rows: int) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        if not self._fallbacks[reason]:
+            logger.warning("PrefixFlow: rows take the %s path (%s); counted in prefixflow/fallback_rows.",
+                           self._plain_path, reason)
+        self._fallbacks[reason] += max(rows, 1)
+
+
+class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
     """`DPOTrainer` whose chosen and rejected rows run their common prefix once per pair (training and reference
     passes); TRL's loss code runs unchanged on the per-token log-probs."""
+
+    _plain_path = "plain DPO"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -478,22 +503,7 @@ class PrefixFlowDPOTrainer(DPOTrainer):
         self._prefixflow_setup()  # `precompute_ref_log_probs` runs inside DPOTrainer.__init__
         return super().compute_ref_log_probs(model, inputs)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
-
-    def _end_session(self, error: BaseException | None = None) -> None:
-        """Phase C for the groups the last training forward opened (none: nothing to do)."""
-        self._scorer.phase_c(error)
-
     # -- metrics ---------------------------------------------------------------------------------------------
-
-    def _count_fallback(self, reason: str, rows: int) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
-        if not self._fallbacks[reason]:
-            logger.warning("PrefixFlow: rows take the plain DPO path (%s); counted in prefixflow/fallback_rows.",
-                           reason)
-        self._fallbacks[reason] += max(rows, 1)
 
     def _log_groups(self, pairs: list[Pair], training: bool, seconds: float) -> None:
         mode = "train" if self.model.training else "eval"

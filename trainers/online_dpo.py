@@ -32,8 +32,8 @@ from hf_prefixflow.layouts import right_padded
 from hf_prefixflow.model import apply_prefixflow, unwrap
 from hf_prefixflow.scheduler import PrefixGroup
 
-from .dpo import (SHARING_ENGINES, Pair, PairScorer, PrefixFlowDPOConfig, PrefixFlowDPOTrainer, _inside_path,
-                  pair_training_step)
+from .dpo import (SHARING_ENGINES, Pair, PairScorer, PairTrainerMixin, PrefixFlowDPOConfig, PrefixFlowDPOTrainer,
+                  _inside_path)
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,11 @@ def left_padded_lengths(mask: torch.Tensor) -> list[int] | None:
     return lengths.tolist() if torch.equal(mask, expected) else None
 
 
-class PrefixFlowOnlineDPOTrainer(OnlineDPOTrainer):
+class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
     """`OnlineDPOTrainer` whose two completions of a prompt read one prefix group (policy and reference passes);
     TRL's loss code runs unchanged on the per-token log-probs."""
+
+    _plain_path = "plain Online DPO"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -114,13 +116,6 @@ class PrefixFlowOnlineDPOTrainer(OnlineDPOTrainer):
         return None
 
     # -- the stock entry points ------------------------------------------------------------------------------
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        # TRL's step (generation, both scoring passes, loss, backward), then Phase C for the groups it opened.
-        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
-
-    def _end_session(self, error: BaseException | None = None) -> None:
-        self._scorer.phase_c(error)
 
     def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         """The completions' per-token log-probs `[2B, C]` as TRL's `_forward` computes them, each pair's prompt run
@@ -238,7 +233,6 @@ class PrefixFlowOnlineDPOTrainer(OnlineDPOTrainer):
 
     # -- metrics ---------------------------------------------------------------------------------------------
 
-    _count_fallback = PrefixFlowDPOTrainer._count_fallback
     _log_groups = PrefixFlowDPOTrainer._log_groups
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -34,8 +34,8 @@ from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.model import apply_prefixflow, decoder_of, unwrap
 
-from .dpo import (MIN_PREFIX_TOKENS, SHARING_ENGINES, Pair, PairScorer, _inside, _inside_path, _PrefixOutput,
-                  pair_rows, pair_training_step, right_padded_lengths)
+from .dpo import (MIN_PREFIX_TOKENS, SHARING_ENGINES, Pair, PairScorer, PairTrainerMixin, _inside, _inside_path,
+                  _PrefixOutput, pair_rows, right_padded_lengths)
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +198,10 @@ class RewardPairScorer(PairScorer):
         return out
 
 
-class PrefixFlowRewardTrainer(RewardTrainer):
+class PrefixFlowRewardTrainer(PairTrainerMixin, RewardTrainer):
     """`RewardTrainer` whose chosen and rejected rows run their common prefix once per pair."""
+
+    _plain_path = "plain reward"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -268,21 +270,6 @@ class PrefixFlowRewardTrainer(RewardTrainer):
                                                pair_rows(kwargs["input_ids"].shape[0]), pad)
 
         inner.forward = forward
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
-
-    def _end_session(self, error: BaseException | None = None) -> None:
-        """Phase C for the groups the last training forward opened (none: nothing to do)."""
-        self._scorer.phase_c(error)
-
-    def _count_fallback(self, reason: str, rows: int) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
-        if not self._fallbacks[reason]:
-            logger.warning("PrefixFlow: rows take the plain reward path (%s); counted in prefixflow/fallback_rows.",
-                           reason)
-        self._fallbacks[reason] += max(rows, 1)
 
     def _log_groups(self, pairs: list[Pair], training: bool, seconds: float) -> None:
         mode = "train" if self.model.training else "eval"
