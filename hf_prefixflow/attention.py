@@ -23,7 +23,7 @@ import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
@@ -37,8 +37,12 @@ from .kv_cache import TrainingKVCache
 from .layouts import PADDING, PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish
 
-if TYPE_CHECKING:
-    from .recompute import AttentionReplay
+class Replay(Protocol):
+    """Phase A attention results a recomputed layer replays in Phase C (`recompute.AttentionReplay`)."""
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float | None) -> torch.Tensor | None: ...
+
 
 NAME_PREFIX = "prefixflow_"
 SUPPORTED_BASES = ("sdpa", "eager", "flex_attention")
@@ -78,7 +82,7 @@ class PrefixPass:
 
     cache: TrainingKVCache
     collect_router_logits: bool = False
-    replay: AttentionReplay | None = None
+    replay: Replay | None = None
 
 
 @dataclass(frozen=True, eq=False)
