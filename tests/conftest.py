@@ -16,3 +16,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "native_dtypes: run without float64_throughout (tests/test_states.py)")

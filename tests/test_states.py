@@ -53,12 +53,13 @@ def tiny_hybrid(model_type: str, options: dict, seed: int = 0) -> torch.nn.Modul
 
 
 @pytest.fixture(autouse=True)
-def float64_inside():
+def float64_inside(request):
     """The torch fallbacks cast to float32 inside (recurrent states are float32): keep float64 so 1e-5 means
-    something (`architecture.float64_throughout`), on one thread."""
+    something (`architecture.float64_throughout`), on one thread; tests marked `native_dtypes` keep the casts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with architecture.float64_throughout():
+    native = request.node.get_closest_marker("native_dtypes") is not None
+    with contextlib.nullcontext() if native else architecture.float64_throughout():
         yield
     torch.set_num_threads(threads)
 
@@ -261,3 +262,16 @@ def test_the_probe_runs_the_pytorch_path_where_fused_kernels_are_installed(monke
     monkeypatch.setattr(_compat, "reference_kernels", lambda cls: contextlib.nullcontext())
     with pytest.raises(PrefixFlowError, match="could not be built or run"):
         hf_prefixflow.apply_prefixflow(transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config)))
+
+
+@pytest.mark.native_dtypes
+def test_float32_states_of_a_bf16_model_sum_their_gradients_in_float32():
+    """A bf16 model's recurrent state is float32 (the scan's own dtype): its gradient sums across waves in float32
+    and seeds Phase C in float32; the bf16 convolution window's sums in the weights' dtype."""
+    model = hf_prefixflow.apply_prefixflow(tiny_hybrid("qwen3_5_text", {}).to(torch.bfloat16))
+    with hf_prefixflow.prefix_group(model, torch.arange(3, 15)) as group:
+        for rows in (torch.arange(3, 9).view(2, 3), torch.arange(9, 12).view(1, 3)):
+            group(rows).logits.float().sum().backward()
+        kinds = {key[1]: entry for key, entry in group.cache.states.items()}
+        assert kinds[states.RECURRENT].live.dtype == kinds[states.RECURRENT].grad.dtype == torch.float32
+        assert kinds[states.CONV].live.dtype == kinds[states.CONV].grad.dtype == torch.bfloat16
