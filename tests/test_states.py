@@ -249,6 +249,7 @@ def test_the_probe_runs_the_pytorch_path_where_fused_kernels_are_installed(monke
     fake = types.ModuleType("fake_fused_package")
     fake.chunk_gated_delta_rule = triton_only
     monkeypatch.setitem(sys.modules, "fake_fused_package", fake)
+    monkeypatch.setattr(architecture, "_probed", {})  # a probe cached by an earlier test would skip the probe
     modeling = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
     reference = modeling.torch_chunk_gated_delta_rule
     fused = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fake_fused_package")(
@@ -258,7 +259,7 @@ def test_the_probe_runs_the_pytorch_path_where_fused_kernels_are_installed(monke
     model = transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config))
     hf_prefixflow.apply_prefixflow(model)  # accepted: the probe ran the PyTorch path
     assert modeling.torch_chunk_gated_delta_rule is fused  # and the model keeps its fused kernel
-    architecture._probed.clear()
+    monkeypatch.setattr(architecture, "_probed", {})  # probe again; the suite's cache is restored afterwards
     monkeypatch.setattr(_compat, "reference_kernels", lambda cls: contextlib.nullcontext())
     with pytest.raises(PrefixFlowError, match="could not be built or run"):
         hf_prefixflow.apply_prefixflow(transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config)))
