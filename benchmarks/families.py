@@ -139,7 +139,12 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
         with torch.no_grad():
             model(input_ids=torch.tensor([[3, 4, 5, 6]]))
     except Exception as exc:  # noqa: BLE001 - any failure to build or run is "no tiny config", with its reason
-        return NO_TINY, _message(exc)[:300].rstrip(".") + ". " + at_full_size(model_cls, config), ""
+        full_size = at_full_size(model_cls, config)
+        if full_size.startswith(REFUSED_AT_FULL_SIZE) and "could not verify" not in full_size:
+            # its structure is refused before any probe: the outcome a user sees, whatever the tiny copy does
+            return REFUSED, (full_size.removeprefix(REFUSED_AT_FULL_SIZE).strip() + f" (no tiny copy could be built: "
+                             f"{_message(exc)[:200].rstrip('.')}.)"), ""
+        return NO_TINY, _message(exc)[:300].rstrip(".") + ". " + full_size, ""
     replay = router_column(model)
     try:
         hf_prefixflow.apply_prefixflow(model)
@@ -165,6 +170,9 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
     return EXACT, f"3 SGD steps, waves {waves}", replay
 
 
+REFUSED_AT_FULL_SIZE = "At full size apply_prefixflow refuses it:"
+
+
 def at_full_size(model_cls: type, config) -> str:
     """What `apply_prefixflow` does with the family at its configured size, built on the meta device."""
     try:
@@ -175,7 +183,7 @@ def at_full_size(model_cls: type, config) -> str:
     try:
         hf_prefixflow.apply_prefixflow(model)
     except PrefixFlowError as exc:
-        return f"At full size apply_prefixflow refuses it: {exc}"
+        return f"{REFUSED_AT_FULL_SIZE} {exc}"
     except Exception as exc:  # noqa: BLE001
         return f"At full size apply_prefixflow fails: {_message(exc)[:300]}"
     return "At full size apply_prefixflow accepts it."
@@ -322,8 +330,8 @@ def markdown(rows: list[dict], command: str) -> str:
         "(`ACCEPTED-AND-WRONG`, `FAILED-AFTER-ACCEPT`, `APPLY-CRASHED`, `TIMED-OUT`).",
         "",
         "- `exact`: loss, every gradient and each update within 1e-5 relative of full-sequence training.",
-        "- `refused`: `apply_prefixflow` raised `PrefixFlowError`, or the first group did before any step (the message "
-        "is the detail).",
+        "- `refused`: `apply_prefixflow` raised `PrefixFlowError` (at full size, for a family no tiny copy of which "
+        "could be built), or the first group did before any step (the message is the detail).",
         "- `no tiny config`: no tiny random model of the family could be built or run (the reason is the detail).",
         "- `not a decoder-only causal LM`: an encoder or encoder-decoder family (what `apply_prefixflow` does with it",
         "  is in the detail).",
