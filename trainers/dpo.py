@@ -396,6 +396,19 @@ class PairTrainerMixin:
         """Phase C for the groups the last training forward opened (none: nothing to do)."""
         self._scorer.phase_c(error)
 
+    def _setting_reason(self) -> str | None:
+        """Why the trainer's settings send every pair to the plain path (the same for every pair trainer), if so."""
+        if self.args.torch_compile:
+            return "torch_compile (the whole model compiled as one module)"
+        if getattr(self.args, "activation_offloading", False):
+            return "activation_offloading (TRL's saved-tensor hooks)"
+        peft_config = getattr(self.model, "peft_config", None)
+        if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+            return "prompt-learning PEFT (virtual tokens)"
+        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            return "reentrant activation checkpointing"
+        return None
+
     def _count_fallback(self, reason: str, rows: int) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
@@ -454,15 +467,9 @@ class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
         if self.aux_loss_enabled or getattr(unwrap(self.model).config.get_text_config(), "output_router_logits",
                                             False):
             return "MoE router auxiliary loss"
-        if self.args.torch_compile:
-            return "torch_compile (the whole model compiled as one module)"
-        if getattr(self.args, "activation_offloading", False):
-            return "activation_offloading (TRL's saved-tensor hooks)"
-        peft_config = getattr(self.model, "peft_config", None)
-        if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            return "prompt-learning PEFT (virtual tokens)"
-        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            return "reentrant activation checkpointing"
+        setting = self._setting_reason()
+        if setting is not None:
+            return setting
         return None
 
     def _route(self, model: torch.nn.Module) -> None:

@@ -102,15 +102,9 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
             return "encoder-decoder model"
         if self.is_vision_model:
             return "image-text model"
-        if self.args.torch_compile:
-            return "torch_compile (the whole model compiled as one module)"
-        if getattr(self.args, "activation_offloading", False):
-            return "activation_offloading (TRL's saved-tensor hooks)"
-        peft_config = getattr(self.model, "peft_config", None)
-        if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            return "prompt-learning PEFT (virtual tokens)"
-        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            return "reentrant activation checkpointing"
+        setting = self._setting_reason()
+        if setting is not None:
+            return setting
         if getattr(unwrap(self.model).config.get_text_config(), "output_router_logits", False):
             return "MoE router auxiliary loss"
         return None

@@ -236,15 +236,9 @@ class PrefixFlowRewardTrainer(PairTrainerMixin, RewardTrainer):
                     "the rightmost non-pad token)")
         if getattr(inner.config.get_text_config(), "output_router_logits", False):
             return "MoE router auxiliary loss"
-        if self.args.torch_compile:
-            return "torch_compile (the whole model compiled as one module)"
-        if getattr(self.args, "activation_offloading", False):
-            return "activation_offloading (TRL's saved-tensor hooks)"
-        peft_config = getattr(self.model, "peft_config", None)
-        if peft_config and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            return "prompt-learning PEFT (virtual tokens)"
-        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            return "reentrant activation checkpointing"
+        setting = self._setting_reason()
+        if setting is not None:
+            return setting
         return None
 
     def _route(self, inner: torch.nn.Module) -> None:
