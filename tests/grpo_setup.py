@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, TrainerCallback)
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
@@ -136,3 +136,13 @@ def frozen_rollout_func(prompts: list[str], trainer) -> dict:
         rng = random.Random(hash((tuple(ids), index)) & 0xFFFFFFFF)
         completion_ids.append([rng.randrange(3, len(SPECIALS) + len(WORDS)) for _ in range(rng.randint(1, 6))])
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+class GradientRecorder(TrainerCallback):
+    """Every parameter's gradient just before each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})

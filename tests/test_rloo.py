@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 import trl.trainer.rloo_trainer as trl_rloo
-from transformers import AutoModelForCausalLM, TrainerCallback, set_seed
+from transformers import AutoModelForCausalLM, set_seed
 from trl import RLOOConfig, RLOOTrainer
 
 import grpo_setup as setup
@@ -26,16 +26,6 @@ TIMING = {"step_time", "train_runtime", "train_samples_per_second", "train_steps
 GEOMETRIES = {"whole-groups": {"per_device_train_batch_size": 8},
               "merged-runs": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
                               "gradient_checkpointing": False}}
-
-
-class GradientRecorder(TrainerCallback):
-    """Every parameter's gradient just before each optimizer step."""
-
-    def __init__(self, model):
-        self.model, self.steps = model, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +78,7 @@ def train(trainer_cls, root, steps=2, config_cls=RLOOConfig, rollouts=8, model=N
                           train_dataset=setup.make_dataset(prompts=6), processing_class=setup.make_tokenizer())
     if rollouts:
         freeze_rollouts(trainer, rollouts)
-    recorder = GradientRecorder(trainer.model)
+    recorder = setup.GradientRecorder(trainer.model)
     trainer.add_callback(recorder)
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -19,10 +19,11 @@ import trl.trainer.grpo_trainer as trl_grpo
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM, TrainerCallback, set_seed)
+                          Qwen3MoeForCausalLM, set_seed)
 from trl import GRPOTrainer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, qwen3_template
 
+from grpo_setup import GradientRecorder
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.moe import RoutingRecorder, record_routing
 from hf_prefixflow.trainers import routing
@@ -153,14 +154,6 @@ def script_generation(model, script, engine=None) -> None:
         return generate(*args, logits_processor=LogitsProcessorList([Scripted(width, script)]), **kwargs)
 
     model.generate = scripted
-
-
-class GradientRecorder(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.steps = model, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
 
 
 @pytest.fixture(autouse=True)

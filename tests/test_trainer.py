@@ -10,7 +10,7 @@ import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import DistributedType
 from peft import LoraConfig
-from transformers import TrainerCallback, set_seed
+from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
@@ -24,16 +24,6 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 GEOMETRIES = {"whole-groups": {"per_device_train_batch_size": 8},
               "merged-runs": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}}
 TIMING = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
-
-
-class GradientRecorder(TrainerCallback):
-    """Keeps every parameter's gradient just before each optimizer step."""
-
-    def __init__(self, model):
-        self.model, self.steps = model, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +54,7 @@ def train(trainer_cls, model, tmp_path, steps=1, config_cls=GRPOConfig, peft_con
                           train_dataset=setup.make_dataset(prompts=6), processing_class=setup.make_tokenizer(),
                           peft_config=peft_config)
     setup.freeze_rollouts(trainer, rollouts)
-    recorder = GradientRecorder(trainer.model)
+    recorder = setup.GradientRecorder(trainer.model)
     trainer.add_callback(recorder)
     trainer.train()
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -405,7 +395,7 @@ def _moe_run(trainer_cls, tmp_path, router_aux_loss=False, model_factory=setup.m
                           rollout_func=rollout_func)
     if prepare is not None:
         prepare(trainer)
-    recorder = GradientRecorder(trainer.model)
+    recorder = setup.GradientRecorder(trainer.model)
     trainer.add_callback(recorder)
     trainer.train()
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
