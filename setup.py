@@ -13,7 +13,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     # The TRL adapters live in trainers/ and install as hf_prefixflow.trainers (no top-level `trainers`).
-    packages=["hf_prefixflow", "hf_prefixflow.distributed", "hf_prefixflow.trainers"],
+    packages=["hf_prefixflow", "hf_prefixflow.core", "hf_prefixflow.models", "hf_prefixflow.planning",
+              "hf_prefixflow.distributed", "hf_prefixflow.trainers"],
     package_dir={"hf_prefixflow.trainers": "trainers"},
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.14", "transformers>=5.17,<5.25"],

@@ -7,7 +7,7 @@ Times forward + backward (CUDA events, median of 10 after warm-up) of one layer'
 - `flash bottom-right`: SDPA with a lower-right CausalBias (PyTorch's FA2 kernel), what Phase B runs today;
 - `cudnn + bool mask`: SDPA restricted to cuDNN with the materialized visibility mask;
 - `cudnn split (no merge)`: the two halves a log-sum-exp split would run, prefix non-causal + suffix causal;
-- `split cudnn` / `split flash`: `hf_prefixflow.split_attention`, what Phase B runs now: the prefix read in place
+- `split cudnn` / `split flash`: `hf_prefixflow.core.split_attention`, what Phase B runs now: the prefix read in place
   (non-causal, GQA folded into the query length), the suffix causal, merged by log-sum-exp, exact backward;
 - `cudnn square causal`: the baseline's kernel on the full `[P || S]` sequence, for its FLOP rate.
 Before timing, each split kernel's output and gradients are checked against fp32 math (bf16 tolerance).
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from hf_prefixflow import split_attention
+from hf_prefixflow.core import split_attention
 from timing import median_seconds
 
 

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from hf_prefixflow import split_attention
+from hf_prefixflow.core import split_attention
 
 
 def main() -> None:

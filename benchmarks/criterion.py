@@ -35,8 +35,8 @@ import statistics
 
 import torch
 
-from hf_prefixflow import scheduler
-from hf_prefixflow import split_attention as split
+from hf_prefixflow.core import scheduler
+from hf_prefixflow.core import split_attention as split
 
 LIMIT = 1.2
 BROKEN = ("phase-c-skipped", "drop-layer-gk", "split-own-stats")

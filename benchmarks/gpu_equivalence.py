@@ -57,7 +57,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import criterion
 import hf_prefixflow
 from hf_prefixflow import _compat
-from hf_prefixflow import split_attention as split
+from hf_prefixflow.core import split_attention as split
 
 DEVICE = "cuda"
 KERNEL_ERROR_RATIO = 2.0

@@ -35,7 +35,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import criterion
 import hf_prefixflow
-from hf_prefixflow.moe import record_routing
+from hf_prefixflow.core.moe import record_routing
 
 SHAPES = {
     "gpu": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_experts=8,

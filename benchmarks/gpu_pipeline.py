@@ -22,7 +22,7 @@ Time (the Qwen3-1.7B shape, untied, bf16 weights, gradients only): one group of 
 of S tokens, median of `--repeats` after a warm-up, three ways on the same stages: the baseline, `[P || S_i]` rows
 through the same 1F1B schedule (`--baseline-rows` per microbatch); PrefixFlow with stage-local phase switching
 (`train_group`) at each of `--waves` completions per microbatch; and each of those with a global barrier before and
-after Phase B (the paper's Claim 1.3 contrast). The FLOP bound of `hf_prefixflow.flops` goes beside them.
+after Phase B (the paper's Claim 1.3 contrast). The FLOP bound of `hf_prefixflow.planning.flops` goes beside them.
 Writes `gpu_pipeline.json` and `.md` under --out (rank 0); exits with 1 (rank 0) unless every correct row passes and
 every broken row fails.
 """
@@ -46,7 +46,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import criterion
 import hf_prefixflow
 from hf_prefixflow.distributed import pipeline
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 
 SHAPES = {  # name -> Qwen3Config overrides
     "equivalence": dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -296,7 +296,7 @@ def report(out: pathlib.Path, meta: dict, rows: list[dict], timing: dict) -> boo
 
 
 def flop_bound(args) -> float:
-    """Full-sequence FLOPs over PrefixFlow's for the timed group (`hf_prefixflow.flops`)."""
+    """Full-sequence FLOPs over PrefixFlow's for the timed group (`hf_prefixflow.planning.flops`)."""
     shape = ModelShape.from_config(Qwen3Config(**SHAPES[args.shape_speed], tie_word_embeddings=False))
     suffixes = [args.suffix] * args.n
     return shape.full_sequence(args.prefix, suffixes) / shape.prefixflow(args.prefix, suffixes)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from hf_prefixflow.offload import HostPool
+from hf_prefixflow.core.offload import HostPool
 
 
 def main() -> None:

@@ -56,10 +56,10 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow import planner
-from hf_prefixflow.model import config_of, unwrap
-from hf_prefixflow.recompute import RECOMPUTE_SHARE
-from hf_prefixflow.scheduler import host_pool
+from hf_prefixflow.planning import planner
+from hf_prefixflow.core.access import config_of, unwrap
+from hf_prefixflow.config import RECOMPUTE_SHARE
+from hf_prefixflow.core.scheduler import host_pool
 from speed import SHAPES, build, suffix_loss
 
 GIB = 2**30

@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from hf_prefixflow import split_attention as sa
+from hf_prefixflow.core import split_attention as sa
 
 
 def timeit(fn, n: int = 50) -> float:

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hf_prefixflow import _compat
 import hf_prefixflow
-from hf_prefixflow.recompute import RESIDUAL_MLP_LAYERS
+from hf_prefixflow.core.recompute import RESIDUAL_MLP_LAYERS
 from speed import build, group_parser, random_group, suffix_loss
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def group(model, prompt, waves, variant: str, watch=None, phase: str = "B") -> t
     setting = settings(variant)
     hf_prefixflow.apply_prefixflow(model, offload=setting.offload, prefix_recompute=setting.recompute)
     # An empty allowlist makes the compiled recompute run the MLP's down projection, as before it was left out.
-    hf_prefixflow.recompute.RESIDUAL_MLP_LAYERS = frozenset() if setting.keepdown else RESIDUAL_MLP_LAYERS
+    hf_prefixflow.core.recompute.RESIDUAL_MLP_LAYERS = frozenset() if setting.keepdown else RESIDUAL_MLP_LAYERS
     watched = lambda name: watch if watch is not None and name == phase else contextlib.nullcontext()  # noqa: E731
     if setting.nogc:
         gc.disable()

@@ -3,7 +3,7 @@
     python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4
 
 Prints (and writes to `profile_<model>.txt`): baseline time per sequence; Phase A, per-wave B and Phase C times
-(CUDA events, after a warm-up) with the TFLOP/s each reaches by `hf_prefixflow.flops` (Phase A is a third of the
+(CUDA events, after a warm-up) with the TFLOP/s each reaches by `hf_prefixflow.planning.flops` (Phase A is a third of the
 prefix's training FLOPs, C the rest): a phase well below the baseline's rate is where the FLOP bound is lost; then
 torch.profiler's top CUDA kernels for one baseline sequence and for one group.
 """
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 from speed import baseline_group, build, group_parser, random_group, suffix_loss
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     parser = group_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--wave", type=int, default=1, help="suffixes per wave")
-    parser.add_argument("--offload", action="store_true", help="prefix activation offload (hf_prefixflow.offload)")
+    parser.add_argument("--offload", action="store_true", help="prefix activation offload (hf_prefixflow.core.offload)")
     parser.add_argument("--prefix-recompute", type=float, default=None, help="share of prefix layers recomputed")
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_profile_phases")

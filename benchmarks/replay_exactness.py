@@ -21,8 +21,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow import recompute
-from hf_prefixflow.model import decoder_of
+from hf_prefixflow.core import recompute
+from hf_prefixflow.core.access import decoder_of
 
 
 def run(compiled: bool, args) -> list[str]:

@@ -5,7 +5,7 @@
 Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`
 (run folder and name; rows of a `speed_table.json` given as input keep theirs, so a new table is the old one plus the
 new files). The output goes to a run folder of its own (default `benchmarks/results/<today>_speed_report`).
-`with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.flops.MIN_SPEEDUP` says a
+`with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.planning.flops.MIN_SPEEDUP` says a
 group pays, else the plain path, which is the baseline (1.00x).
 The plot has a row of panels per model and mode; the paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4)
 are drawn beside the 8B eager ones for reference.
@@ -18,7 +18,7 @@ import datetime
 import json
 import pathlib
 
-from hf_prefixflow.flops import MIN_SPEEDUP
+from hf_prefixflow.planning.flops import MIN_SPEEDUP
 
 PAPER_10K_2K = {16: 3.800, 32: 4.115, 128: 4.395}
 

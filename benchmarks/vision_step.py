@@ -39,7 +39,7 @@ from transformers import PrinterCallback, TrainerCallback, Qwen2_5_VLConfig, Qwe
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_prefixflow import PrefixFlowGRPOTrainer
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic_vision  # noqa: E402 - the examples' synthetic task
 from step_timing import sync  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 
 
 def load_model(path: str | None, dtype: torch.dtype) -> torch.nn.Module:

@@ -2,10 +2,10 @@
 
 from .config import PrefixFlowConfig
 from .errors import PrefixFlowError
-from .model import apply_prefixflow
-from .planner import MemoryPlan, plan
-from .scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
-from .waves import AutoWaves
+from .apply import apply_prefixflow
+from .planning.planner import MemoryPlan, plan
+from .core.scheduler import GroupSession, PackedOutput, PrefixGroup, prefix_group
+from .core.waves import AutoWaves
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,11 @@ import dataclasses
 import torch
 
 from .errors import PrefixFlowError
-from .recompute import RECOMPUTE_SHARE
 
+# The share of prefix layers recomputed in Phase C instead of copied back under offload (the `prefix_recompute`
+# default): calibrated on GPU, where a layer recomputes faster than its activations cross PCIe (docs/offload.md,
+# docs/benchmarks.md).
+RECOMPUTE_SHARE = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -25,7 +28,7 @@ class PrefixFlowConfig:
             of about four times the K/V bytes per wave (two reads of each layer's K/V under checkpointing, its sum
             in and out).
         prefix_recompute: share of prefix layers in [0, 1] that Phase A checkpoints and Phase C recomputes. `None`:
-            `recompute.RECOMPUTE_SHARE` with offload (recomputing beats copying activations back), 0 without.
+            `RECOMPUTE_SHARE` with offload (recomputing beats copying activations back), 0 without.
         suffix_checkpointing: with activation checkpointing on, `False` runs suffix waves without it (their backward
             skips the recompute; the prefix stays checkpointed).
         kv_grad_dtype: the dtype gK/gV sum in across waves (a `torch.dtype` or its name). `None`: the widest dtype of

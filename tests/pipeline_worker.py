@@ -174,7 +174,7 @@ def main(modes: set[str], family: str, layers: int, bounds: list[int] | None) ->
             if name in names:
                 rel(names[name] - start[name], p_ref - start[name], f"step {step} update {name}")
     if offload:
-        assert hf_prefixflow.model.unwrap(candidate)._prefixflow_pool.allocated_bytes > 0, "nothing was offloaded"
+        assert hf_prefixflow.core.access.unwrap(candidate)._prefixflow_pool.allocated_bytes > 0, "nothing was offloaded"
     worst = torch.tensor([WORST[0]], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:

@@ -12,12 +12,13 @@ from transformers.models.llama import modeling_llama
 
 import hf_prefixflow
 from equivalence import assert_same_gradients, full_sequence_backward, gradients, prefixflow_backward, random_group
-from hf_prefixflow import PrefixFlowError, _compat, architecture
+from hf_prefixflow import PrefixFlowError, _compat
+from hf_prefixflow.models import probe, tiny as tiny_copy
 
 
 def tiny(model_type: str, **options) -> torch.nn.Module:
     class_name = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
-    return architecture.build_tiny(getattr(transformers, class_name), AutoConfig.for_model(model_type, **options),
+    return tiny_copy.build_tiny(getattr(transformers, class_name), AutoConfig.for_model(model_type, **options),
                                    "sdpa")
 
 
@@ -49,8 +50,8 @@ def test_layers_that_drop_kwargs_train_exactly(model_type, checkpointing):
 
 def test_without_the_bridge_stablelm_is_wrong(monkeypatch):
     """The broken variant: no bridge (and no probe to notice) leaves StableLM's suffixes blind to the prefix."""
-    monkeypatch.setattr(architecture, "bridge", lambda model, result: None)
-    monkeypatch.setattr(architecture, "probe", lambda model: architecture.ProbeResult())
+    monkeypatch.setattr(probe, "bridge", lambda model, result: None)
+    monkeypatch.setattr(probe, "probe", lambda model: probe.ProbeResult())
     with pytest.raises((AssertionError, PrefixFlowError)):
         side_by_side(tiny("stablelm"), seed=3)
 
@@ -99,8 +100,8 @@ def test_the_probe_refuses_an_unnamed_token_mixer():
 
 def test_the_probe_runs_once_per_architecture(monkeypatch):
     runs = []
-    original = architecture._run_probe
-    monkeypatch.setattr(architecture, "_run_probe", lambda *a: runs.append(a) or original(*a))
+    original = probe._run_probe
+    monkeypatch.setattr(probe, "_run_probe", lambda *a: runs.append(a) or original(*a))
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=3e-6)
     for _ in range(2):
@@ -148,4 +149,4 @@ def test_an_architecture_that_cannot_be_probed_is_refused_unless_allowed():
     with pytest.raises(PrefixFlowError, match=r"could not verify _Unbuildable.*allow_unprobed=True"):
         hf_prefixflow.apply_prefixflow(_Unbuildable(config))
     model = hf_prefixflow.apply_prefixflow(_Unbuildable(config), hf_prefixflow.PrefixFlowConfig(allow_unprobed=True))
-    assert hf_prefixflow.model.config_of(model).allow_unprobed
+    assert hf_prefixflow.core.access.config_of(model).allow_unprobed

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_prefixflow
-from hf_prefixflow import layouts, scheduler
+from hf_prefixflow.core import layouts, scheduler
 from equivalence import random_group, random_plan, train_side_by_side
 from models import build
 

@@ -9,10 +9,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import hf_prefixflow
 from equivalence import prefixflow_backward, random_group, train_side_by_side
-from hf_prefixflow import recompute
-from hf_prefixflow.attention import RECOMPILE_LIMIT
-from hf_prefixflow.model import decoder_of
-from hf_prefixflow.recompute import decoder_layers
+from hf_prefixflow.core import recompute
+from hf_prefixflow.core.attention import RECOMPILE_LIMIT
+from hf_prefixflow.core.access import decoder_of
+from hf_prefixflow.core.recompute import decoder_layers
 from models import build
 
 LAYERS = 10  # more than torch.compile's recompile limit (8): a graph per layer would send layers back to eager
@@ -171,7 +171,7 @@ def test_compiled_recompute_runs_under_phase_a_autocast(fresh_dynamo):
 def test_compiled_recompute_replays_with_phase_a_kernel(fresh_dynamo, monkeypatch):
     """Phase C's context may pick another attention kernel than Phase A's (a user's `sdpa_kernel` block around the
     waves only): the replay still runs the backward of the kernel whose output and log-sum-exp it replays."""
-    from hf_prefixflow import split_attention
+    from hf_prefixflow.core import split_attention
 
     gen = torch.Generator().manual_seed(4)
     group = random_group(gen, prefix=(10, 14), suffix=(3, 5), n=(2, 3))

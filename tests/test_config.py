@@ -6,8 +6,8 @@ from transformers import LlamaForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow import PrefixFlowConfig, PrefixFlowError
-from hf_prefixflow.model import config_of, kv_grad_dtype
-from hf_prefixflow.recompute import RECOMPUTE_SHARE
+from hf_prefixflow.core.access import config_of, kv_grad_dtype
+from hf_prefixflow.config import RECOMPUTE_SHARE
 from models import build
 
 

@@ -12,8 +12,9 @@ import torch
 from trl import GRPOConfig
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, defaults, planner
-from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from hf_prefixflow.planning import defaults, planner
+from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.trainers import mixin as pf_mixin
 from test_planner import h200_config
 from test_trainer import assert_aligned, both, run_lengths, same_microbatches  # noqa: F401 - an autouse fixture

@@ -22,7 +22,7 @@ from trl import DPOConfig, DPOTrainer
 import grpo_setup as setup
 from equivalence import assert_rel_close
 from hf_prefixflow import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
-from hf_prefixflow.scheduler import PrefixGroup
+from hf_prefixflow.core.scheduler import PrefixGroup
 from hf_prefixflow.trainers import dpo as pf_dpo
 
 # Every loss TRL 1.16's DPOTrainer offers, with the settings each needs.

@@ -9,7 +9,8 @@ from peft import LoraConfig, get_peft_model
 
 from hf_prefixflow import _compat
 import hf_prefixflow
-from hf_prefixflow import PrefixFlowError, scheduler
+from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.core import scheduler
 from models import ROPE_VARIANTS, build
 
 

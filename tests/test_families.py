@@ -13,7 +13,8 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from hf_prefixflow import architecture, states
+from hf_prefixflow.core import states
+from hf_prefixflow.models import probe, structure
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -65,8 +66,8 @@ def test_without_the_checks_the_sweep_flags_lfm2_with_conv_layers(monkeypatch):
     apply_prefixflow accepts LFM2's convolution layers and the sweep's exactness check catches the wrong
     gradients."""
     monkeypatch.setattr(states, "enable_states", lambda model: 0)
-    monkeypatch.setattr(architecture, "check_structure", lambda model: None)
-    monkeypatch.setattr(architecture, "probe", lambda model: architecture.ProbeResult())
+    monkeypatch.setattr(structure, "check_structure", lambda model: None)
+    monkeypatch.setattr(probe, "probe", lambda model: probe.ProbeResult())
     found, detail, _ = run("lfm2", LFM2_CONV)
     assert found == families.WRONG, detail
     assert "grad" in detail or "loss" in detail

@@ -3,7 +3,7 @@
 import pytest
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 
 LLAMA3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256)
@@ -36,7 +36,7 @@ def test_moe_counts_active_experts_and_one_suffix_saves_nothing():
 def test_the_pass_floor_sends_short_prompts_to_the_plain_path():
     """The H200 trainer steps (Qwen3-1.7B, S=256, N=16): P=256 in one microbatch of 16 ran 0.52x shared, so the cost
     model with the GPU's pass floor must refuse it, and keep sharing P=256 in microbatches of 4 (1.27x) and P=4864."""
-    from hf_prefixflow.flops import PASS_FLOOR_TOKENS
+    from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS
 
     shape = ModelShape(**QWEN3_1_7B)
     assert shape.step_bound(256, [256] * 16) == pytest.approx(shape.bound(256, [256] * 16))  # no floor: the bound

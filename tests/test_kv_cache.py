@@ -4,7 +4,7 @@ import weakref
 
 import torch
 
-from hf_prefixflow.kv_cache import TrainingKVCache, delayed_backward
+from hf_prefixflow.core.kv_cache import TrainingKVCache, delayed_backward
 
 
 def test_phase_c_drops_each_accumulator_as_it_casts_it():

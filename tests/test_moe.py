@@ -12,8 +12,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hf_prefixflow import _compat
 import hf_prefixflow
 from equivalence import assert_rel_close, assert_same_gradients, gradients, pad, random_group, token_loss
-from hf_prefixflow import PrefixFlowError, architecture, moe
-from hf_prefixflow.moe import record_routing
+from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.core import moe
+from hf_prefixflow.models import tiny as tiny_copy
+from hf_prefixflow.core.moe import record_routing
 from models import FAMILIES, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -28,7 +30,7 @@ def moe_model(family: str) -> torch.nn.Module:
     if family in FAMILIES:
         return build(family)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
-    return architecture.build_tiny(model_cls, AutoConfig.for_model(family), "sdpa")
+    return tiny_copy.build_tiny(model_cls, AutoConfig.for_model(family), "sdpa")
 
 
 def router_gradients(model, grads: dict) -> list[torch.Tensor]:

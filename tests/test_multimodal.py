@@ -19,7 +19,7 @@ import hf_prefixflow
 import synthetic_vision  # examples/, on the path through conftest.py
 from test_processing import counting  # noqa: E402 - tests/ is on the path
 from hf_prefixflow import PrefixFlowGRPOTrainer
-from hf_prefixflow import multimodal as mm
+from hf_prefixflow.models import multimodal as mm
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
@@ -193,7 +193,7 @@ def test_a_family_without_an_image_probe_keeps_text_prompts_only():
 
 
 def architecture_tiny(cls) -> torch.nn.Module:
-    from hf_prefixflow.architecture import build_tiny
+    from hf_prefixflow.models.tiny import build_tiny
 
     return build_tiny(cls, cls.config_class(), "sdpa").train()
 

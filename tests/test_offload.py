@@ -35,8 +35,8 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
     model.zero_grad(set_to_none=True)
 
     offloads = []
-    original = hf_prefixflow.scheduler.PrefixGroup._offloader
-    monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
+    original = hf_prefixflow.core.scheduler.PrefixGroup._offloader
+    monkeypatch.setattr(hf_prefixflow.core.scheduler.PrefixGroup, "_offloader",
                         lambda self: offloads.append(original(self)) or offloads[-1])
     hf_prefixflow.apply_prefixflow(model, offload=True, prefix_recompute=0.5)  # one path per layer: copied, recomputed
     prefixflow_backward(model, group, plan)
@@ -44,15 +44,15 @@ def test_offload_changes_nothing_but_where_tensors_wait(family, lora, checkpoint
         assert torch.equal(grad, expected[name]), name  # restored tensors: same values, same layouts
     (offload,) = offloads
     assert offload.offloaded_bytes > 0 and not offload.entries
-    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    pool = hf_prefixflow.core.access.unwrap(model)._prefixflow_pool
     assert pool.free and pool.allocated_bytes >= offload.offloaded_bytes
 
 
 def _recorded_packs(monkeypatch) -> list:
     """(saved tensor, what the offloader packed it as) for every save while the hooks are on."""
     packs = []
-    pack = hf_prefixflow.offload.PrefixOffload.pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
+    pack = hf_prefixflow.core.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "pack",
                         lambda self, t: packs.append((t, pack(self, t))) or packs[-1][1])
     return packs
 
@@ -65,16 +65,16 @@ def test_offload_skips_parameters_and_the_cached_kv_and_copies_shared_saves_once
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
         live = {id(t.live) for t in g.cache.tensors()}
         params = {id(p) for p in model.parameters()}
-        offloaded = [(t, e) for t, e in packs if isinstance(e, hf_prefixflow.offload.Offloaded)]
+        offloaded = [(t, e) for t, e in packs if isinstance(e, hf_prefixflow.core.offload.Offloaded)]
         assert offloaded and not any(id(t) in live | params for t, _ in offloaded)
         copies = {id(e): e for _, e in offloaded}
         assert len(copies) < len(offloaded)
         assert any(e.saves >= 3 for e in copies.values())  # q, k and v projections read one layer input
         g(group.suffixes[0][None]).logits.sum().backward()
-    second = hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes
+    second = hf_prefixflow.core.access.unwrap(model)._prefixflow_pool.allocated_bytes
     with hf_prefixflow.prefix_group(model, group.prefix) as g:  # the same shapes reuse the pool's buffers
         g(group.suffixes[0][None]).logits.sum().backward()
-    assert hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes == second
+    assert hf_prefixflow.core.access.unwrap(model)._prefixflow_pool.allocated_bytes == second
 
 
 def test_an_exception_returns_every_buffer():
@@ -85,14 +85,14 @@ def test_an_exception_returns_every_buffer():
         with hf_prefixflow.prefix_group(model, group.prefix) as g:
             g(group.suffixes[0][None]).logits.sum().backward()
             raise RuntimeError("boom")
-    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    pool = hf_prefixflow.core.access.unwrap(model)._prefixflow_pool
     assert pool.allocated_bytes > 0 and g.offload.entries == []
     assert sum(b.numel() for b in pool.free) == pool.allocated_bytes
 
 
 def test_autocast_weight_copies_stay():
     model = build("llama", dtype=torch.float32).train()
-    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"))
     weight = model.lm_head.weight
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cast = weight.to(torch.bfloat16)
@@ -114,8 +114,8 @@ def test_checkpointed_layer_inputs_are_offloaded(monkeypatch):
     inputs, packed = [], []
     for layer in model.model.layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0]) if args else None)
-    pack = hf_prefixflow.offload.PrefixOffload.pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
+    pack = hf_prefixflow.core.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "pack",
                         lambda self, t: packed.append((t, self._eligible(t))) or pack(self, t))
     prefixflow_backward(model, group, plan)
     layers = len(model.model.layers)
@@ -133,12 +133,12 @@ def test_restored_tensors_die_after_use(monkeypatch):
     model = hf_prefixflow.apply_prefixflow(build("llama").train(), offload=True, prefix_recompute=0)
     group = random_group(gen, prefix=(12, 16), n=(2, 3))
     restored, alive_at_release, offloads = [], [], []
-    offload_cls = hf_prefixflow.offload.PrefixOffload
+    offload_cls = hf_prefixflow.core.offload.PrefixOffload
     unpack, release = offload_cls.unpack, offload_cls.release
 
     def tracking_unpack(self, packed):
         out = unpack(self, packed)
-        if isinstance(packed, hf_prefixflow.offload.Offloaded):
+        if isinstance(packed, hf_prefixflow.core.offload.Offloaded):
             restored.append((weakref.ref(out), packed))
         return out
 
@@ -176,7 +176,7 @@ def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recompute
     calls, prefix_kernel_runs = [], []
     for index, layer in enumerate(model.model.layers):  # a recompute reruns the layer's forward, not its hooks
         layer.self_attn.k_proj.register_forward_pre_hook(lambda module, args, index=index: calls.append(index))
-    cpu = hf_prefixflow.split_attention.CPU
+    cpu = hf_prefixflow.core.split_attention.CPU
 
     def counting_forward(q, k, v, causal, scale):
         if causal and q.shape[0] == 1 and q.shape[2] == k.shape[2] == len(group.prefix) - 1:
@@ -184,7 +184,7 @@ def test_a_share_of_prefix_layers_is_recomputed_not_copied_back(share, recompute
         return cpu.forward(q, k, v, causal, scale)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hf_prefixflow.split_attention, "CPU", hf_prefixflow.split_attention.Kernel(
+        patch.setattr(hf_prefixflow.core.split_attention, "CPU", hf_prefixflow.core.split_attention.Kernel(
             "counting", counting_forward, cpu.backward))
         prefixflow_backward(model, group, plan)
     layers = len(model.model.layers)
@@ -208,9 +208,9 @@ def test_recomputed_layers_leave_fewer_bytes_to_copy():
                                                prefix_recompute=share)
         group = random_group(gen, prefix=(16, 17), n=(2, 3))
         offloads = []
-        original = hf_prefixflow.scheduler.PrefixGroup._offloader
+        original = hf_prefixflow.core.scheduler.PrefixGroup._offloader
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(hf_prefixflow.scheduler.PrefixGroup, "_offloader",
+            patch.setattr(hf_prefixflow.core.scheduler.PrefixGroup, "_offloader",
                           lambda self: offloads.append(original(self)) or offloads[-1])
             prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
         moved.append(offloads[0].offloaded_bytes)
@@ -230,7 +230,7 @@ def test_prefetch_runs_about_two_layers_ahead():
                                            prefix_recompute=0)
     group = random_group(gen, prefix=(20, 24), n=(2, 3))
     ahead, offloads = [], []
-    offload_cls = hf_prefixflow.offload.PrefixOffload
+    offload_cls = hf_prefixflow.core.offload.PrefixOffload
     unpack = offload_cls.unpack
 
     def measuring_unpack(self, packed):
@@ -246,7 +246,7 @@ def test_prefetch_runs_about_two_layers_ahead():
     layer_bytes = offload.offloaded_bytes / 6
     assert ahead and max(ahead) > 0
     # the window, the rest of the current layer, and saves that autograd unpacks a little out of reverse order
-    assert max(ahead) <= (hf_prefixflow.offload.PREFETCH_LAYERS + 2) * layer_bytes < offload.offloaded_bytes
+    assert max(ahead) <= (hf_prefixflow.core.offload.PREFETCH_LAYERS + 2) * layer_bytes < offload.offloaded_bytes
 
 
 def test_prefetch_window_counts_layers_when_only_some_are_copied():
@@ -257,13 +257,13 @@ def test_prefetch_window_counts_layers_when_only_some_are_copied():
     model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=8).train(), offload=True,
                                            prefix_recompute=0.5)
     group = random_group(gen, prefix=(20, 24), n=(2, 3))
-    offload_cls = hf_prefixflow.offload.PrefixOffload
+    offload_cls = hf_prefixflow.core.offload.PrefixOffload
     unpack, checked = offload_cls.unpack, []
-    window = hf_prefixflow.offload.PREFETCH_LAYERS
+    window = hf_prefixflow.core.offload.PREFETCH_LAYERS
 
     def checking_unpack(self, packed):
         out = unpack(self, packed)
-        if isinstance(packed, hf_prefixflow.offload.Offloaded):
+        if isinstance(packed, hf_prefixflow.core.offload.Offloaded):
             reached = min(e.layer for e in self.entries if e.unpacked)
             waiting = [e for e in self.entries[:packed.index] if not e.consumed]
             assert all(e.device_copy is not None for e in waiting if e.layer >= packed.layer - window)
@@ -283,20 +283,20 @@ def test_a_group_leaves_no_prefix_graph_behind(share, monkeypatch):
     that saves its own output (rsqrt) and got that output back from the pack hook formed a cycle through C++, so
     every group leaked the graph's unexecuted tail, with Phase C's recomputed tensors (0.86 GiB a group measured at
     10k tokens on an H200)."""
-    eligible = hf_prefixflow.offload.PrefixOffload._eligible
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "_eligible",
+    eligible = hf_prefixflow.core.offload.PrefixOffload._eligible
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "_eligible",
                         lambda self, t: eligible(self, t) and t.numel() >= 64)  # as a GPU's size threshold
     packed = []
-    pack = hf_prefixflow.offload.PrefixOffload.pack
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "pack",
+    pack = hf_prefixflow.core.offload.PrefixOffload.pack
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "pack",
                         lambda self, t: packed.append(pack(self, t)) or packed[-1])
     gen = torch.Generator().manual_seed(7)
     model = hf_prefixflow.apply_prefixflow(build("qwen3", num_hidden_layers=3).train(), offload=True,
                                            prefix_recompute=share)
     group = random_group(gen, prefix=(16, 24), n=(2, 3))
     prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
-    entries = [weakref.ref(p) for p in packed if isinstance(p, hf_prefixflow.offload.Offloaded)]
-    passed = [p for p in packed if isinstance(p, hf_prefixflow.offload.Stayed)]
+    entries = [weakref.ref(p) for p in packed if isinstance(p, hf_prefixflow.core.offload.Offloaded)]
+    passed = [p for p in packed if isinstance(p, hf_prefixflow.core.offload.Stayed)]
     assert entries and passed  # both paths ran
     del packed[:], passed
     gc.collect()
@@ -306,7 +306,7 @@ def test_a_group_leaves_no_prefix_graph_behind(share, monkeypatch):
 def test_a_restored_tensor_keeps_its_layout():
     """Saved tensors come back with the strides they left with (a kernel's backward may read its output only in the
     layout its forward returned), or contiguous when their elements do not fill their span."""
-    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"))
     base = torch.randn(2, 5, 3, 4)
     for tensor in (base.transpose(1, 2), base.permute(3, 0, 2, 1)):
         restored = offload.unpack(offload.pack(tensor))
@@ -319,13 +319,13 @@ def test_a_restored_tensor_keeps_its_layout():
 def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
     """Restored contiguous (as offload once restored every tensor), Phase A's attention output still reaches the
     kernel's backward in the layout that kernel's forward returned."""
-    monkeypatch.setattr(hf_prefixflow.offload, "_layout", lambda tensor: torch.empty(tensor.shape).stride())
+    monkeypatch.setattr(hf_prefixflow.core.offload, "_layout", lambda tensor: torch.empty(tensor.shape).stride())
     gen = torch.Generator().manual_seed(8)
     model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=3).train())
     group = random_group(gen, prefix=(12, 20), n=(2, 3))
     prefix = len(group.prefix) - 1  # the cached tokens: Phase A's attention runs over these
     forward_strides, forward_shapes, backward_strides = set(), [], []
-    cpu = hf_prefixflow.split_attention.CPU
+    cpu = hf_prefixflow.core.split_attention.CPU
 
     def recording_forward(q, k, v, causal, scale):
         out, lse, state = cpu.forward(q, k, v, causal, scale)
@@ -339,8 +339,8 @@ def test_replayed_attention_gets_its_output_in_phase_a_layout(monkeypatch):
             backward_strides.append(out.stride())
         return cpu.backward(grad, q, k, v, out, lse, causal, scale, state)
 
-    monkeypatch.setattr(hf_prefixflow.split_attention, "CPU",
-                        hf_prefixflow.split_attention.Kernel("recording", recording_forward, recording_backward))
+    monkeypatch.setattr(hf_prefixflow.core.split_attention, "CPU",
+                        hf_prefixflow.core.split_attention.Kernel("recording", recording_forward, recording_backward))
     hf_prefixflow.apply_prefixflow(model, offload=True)
     prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
     # the last layer's prefix attention feeds only the prefix output, which nothing reads: no backward
@@ -353,7 +353,7 @@ def test_the_pool_reuses_buffers_that_fit_and_frees_the_unused():
     """Prompts of changing lengths: a tensor takes the smallest free buffer it fills at least half of; once every
     buffer is back, those no tensor took in the last two trims are freed, so the pool neither grows without bound nor
     reallocates each group (or each turn of two configurations)."""
-    pool = hf_prefixflow.offload.HostPool(pin=False)
+    pool = hf_prefixflow.core.offload.HostPool(pin=False)
     small, large = pool.take(100), pool.take(300)
     pool.give(large)
     pool.give(small)
@@ -391,7 +391,7 @@ def test_groups_closed_one_by_one_keep_each_other_s_buffers():
                 prefix_group(torch.stack(group.suffixes)).logits.sum().backward()
             for prefix_group in opened:  # closed one by one
                 session.close([prefix_group])
-        pool_bytes.append(hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes)
+        pool_bytes.append(hf_prefixflow.core.access.unwrap(model)._prefixflow_pool.allocated_bytes)
         offloaded.append(sum(g.offload.offloaded_bytes for g in opened))
     assert pool_bytes[0] >= offloaded[0] > 0  # both groups' buffers stay for the next round
     assert pool_bytes[1] == pool_bytes[0]  # which reuses them
@@ -404,15 +404,15 @@ def test_groups_of_changing_prompt_lengths_keep_the_pool_bounded():
     for length in (24, 20, 23, 17, 24, 21, 8, 7):
         group = random_group(gen, prefix=(length, length), n=(2, 2))
         prefixflow_backward(model, group, random_plan(gen, len(group.suffixes)))
-        sizes.append(hf_prefixflow.model.unwrap(model)._prefixflow_pool.allocated_bytes)
+        sizes.append(hf_prefixflow.core.access.unwrap(model)._prefixflow_pool.allocated_bytes)
     assert max(sizes[2:6]) <= 2 * sizes[0], sizes  # shorter prompts reuse the first group's buffers
     assert sizes[-1] < sizes[5] / 2, sizes  # prompts under half as long: the long ones' buffers are freed
 
 
 def test_a_failed_pack_still_returns_its_buffer(monkeypatch):
-    pool = hf_prefixflow.offload.HostPool(pin=False)
-    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"), pool)
-    monkeypatch.setattr(hf_prefixflow.offload.Offloaded, "host_view", lambda self: 1 / 0)
+    pool = hf_prefixflow.core.offload.HostPool(pin=False)
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"), pool)
+    monkeypatch.setattr(hf_prefixflow.core.offload.Offloaded, "host_view", lambda self: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         offload.pack(torch.randn(4))
     offload.release()
@@ -420,7 +420,7 @@ def test_a_failed_pack_still_returns_its_buffer(monkeypatch):
 
 
 def test_a_layer_replayed_twice_is_refused():
-    replay = hf_prefixflow.recompute.AttentionReplay({0}, hf_prefixflow.offload.PrefixOffload(torch.device("cpu")))
+    replay = hf_prefixflow.core.recompute.AttentionReplay({0}, hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu")))
     out, lse = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4)
     replay.keep(0, out, lse, (), None)
     assert torch.equal(replay.take(0)[0], out)
@@ -432,7 +432,7 @@ def test_a_layer_replayed_twice_is_refused():
 def test_a_saved_tensor_modified_in_place_is_refused(min_bytes):
     """Autograd refuses a saved tensor modified in place before its backward; the hooks bypass its check, so the
     offloader makes its own (the host copy would be stale, or on a GPU race the in-place write)."""
-    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"), min_bytes=min_bytes)
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"), min_bytes=min_bytes)
     x = torch.randn(8, requires_grad=True)
     with offload.hooks():
         y = x * 2
@@ -443,7 +443,7 @@ def test_a_saved_tensor_modified_in_place_is_refused(min_bytes):
 
 
 def test_conjugate_views_are_not_shared_copies():
-    offload = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"))
     x = torch.randn(4, dtype=torch.complex64)
     first, second = offload.pack(x), offload.pack(x.conj())
     assert first is not second
@@ -453,7 +453,7 @@ def test_conjugate_views_are_not_shared_copies():
 def test_page_locked_buffers_are_the_size_asked_and_go_back_to_the_host(monkeypatch):
     """Pinned buffers are plain host memory registered in place (torch's pinned allocator rounds every request up to
     a power of two and keeps it cached): page-aligned, whole pages, unregistered when trimmed or closed."""
-    page = hf_prefixflow.offload.PAGE_BYTES
+    page = hf_prefixflow.core.offload.PAGE_BYTES
     registered = {}
 
     def register(buffer):
@@ -463,7 +463,7 @@ def test_page_locked_buffers_are_the_size_asked_and_go_back_to_the_host(monkeypa
     monkeypatch.setattr(hf_prefixflow._compat, "register_host_memory", register)
     monkeypatch.setattr(hf_prefixflow._compat, "unregister_host_memory", lambda buffer: registered.pop(
         buffer.data_ptr()) and 0)
-    pool = hf_prefixflow.offload.HostPool(pin=True)
+    pool = hf_prefixflow.core.offload.HostPool(pin=True)
     first, second = pool.take(5 * page - 7), pool.take(3 * page)
     assert [first.numel(), second.numel()] == [5 * page, 3 * page]  # not 8 and 4 pages
     assert {first.data_ptr() % page, second.data_ptr() % page} == {0}  # no page shared by two registrations
@@ -488,10 +488,10 @@ def test_page_locked_buffers_are_the_size_asked_and_go_back_to_the_host(monkeypa
 def test_a_failed_registration_falls_back_to_torch_s_pinned_buffers(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(hf_prefixflow._compat, "register_host_memory", lambda buffer: calls.append(buffer) or 2)
-    monkeypatch.setattr(hf_prefixflow.offload, "_pinned_by_torch",
+    monkeypatch.setattr(hf_prefixflow.core.offload, "_pinned_by_torch",
                         lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-    pool = hf_prefixflow.offload.HostPool(pin=True)
-    with caplog.at_level("WARNING", logger="hf_prefixflow.offload"):
+    pool = hf_prefixflow.core.offload.HostPool(pin=True)
+    with caplog.at_level("WARNING", logger="hf_prefixflow.core.offload"):
         first, second = pool.take(3000), pool.take(5000)
     assert "cudaHostRegister failed (CUDA error 2)" in caplog.text
     assert len(calls) == 1 and pool.pin_fallbacks == 2  # tried once, then torch's allocator for every buffer
@@ -503,15 +503,15 @@ def test_a_failed_registration_falls_back_to_torch_s_pinned_buffers(monkeypatch,
 def test_available_host_memory_reads_the_container_s_limit(tmp_path, monkeypatch, cgroup_limit, expected):
     """MemAvailable is the node's; a container's cgroup caps what the process may take (limit less use)."""
     (tmp_path / "meminfo").write_text("MemTotal: 4000 kB\nMemFree: 900 kB\nMemAvailable: 1000 kB\n")
-    monkeypatch.setattr(hf_prefixflow.offload, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(hf_prefixflow.core.offload, "MEMINFO", str(tmp_path / "meminfo"))
     files = (str(tmp_path / "memory.max"), str(tmp_path / "memory.current"))
-    monkeypatch.setattr(hf_prefixflow.offload, "CGROUP_MEMORY", (files,))
+    monkeypatch.setattr(hf_prefixflow.core.offload, "CGROUP_MEMORY", (files,))
     if cgroup_limit is not None:
         (tmp_path / "memory.max").write_text(cgroup_limit + "\n")
         (tmp_path / "memory.current").write_text(str(100 * 1024) + "\n")
-    assert hf_prefixflow.offload.available_host_bytes() == expected
-    monkeypatch.setattr(hf_prefixflow.offload, "MEMINFO", str(tmp_path / "absent"))
-    assert hf_prefixflow.offload.available_host_bytes() is None
+    assert hf_prefixflow.core.offload.available_host_bytes() == expected
+    monkeypatch.setattr(hf_prefixflow.core.offload, "MEMINFO", str(tmp_path / "absent"))
+    assert hf_prefixflow.core.offload.available_host_bytes() is None
 
 
 def test_a_failed_registration_leaves_no_cuda_error_pending(monkeypatch):
@@ -530,7 +530,7 @@ def test_an_empty_request_is_not_registered_and_a_collected_pool_unregisters(mon
     registered = set()
     monkeypatch.setattr(_compat, "register_host_memory", lambda buffer: registered.add(buffer.data_ptr()) or 0)
     monkeypatch.setattr(_compat, "unregister_host_memory", lambda buffer: registered.discard(buffer.data_ptr()) or 0)
-    pool = hf_prefixflow.offload.HostPool(pin=True)
+    pool = hf_prefixflow.core.offload.HostPool(pin=True)
     assert pool.take(0).numel() == 0 and not registered and pool.pin_fallbacks == 0  # CUDA refuses zero bytes
     pool.take(5000)
     assert len(registered) == 1

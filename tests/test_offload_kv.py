@@ -11,7 +11,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import hf_prefixflow
 from hf_prefixflow import _compat
-from hf_prefixflow.kv_cache import StreamedTensor
+from hf_prefixflow.core.kv_cache import StreamedTensor
 from equivalence import (assert_rel_close, assert_same_gradients, full_sequence_backward, gradients,
                          prefixflow_backward, random_group, random_plan, train_side_by_side)
 from models import build
@@ -58,11 +58,11 @@ def test_offload_under_selective_checkpointing(offload):
 def test_streamed_kv_leaves_no_kv_on_the_device_between_waves(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     model = hf_prefixflow.apply_prefixflow(build("llama", num_hidden_layers=4).train(), offload_kv=True)
-    assert hf_prefixflow.model.config_of(model).offload  # implied
+    assert hf_prefixflow.core.access.config_of(model).offload  # implied
     group = random_group(gen, prefix=(12, 16), n=(3, 3))
     loads = []
-    load = hf_prefixflow.offload.PrefixOffload.load
-    monkeypatch.setattr(hf_prefixflow.offload.PrefixOffload, "load", lambda self, p: loads.append(p) or load(self, p))
+    load = hf_prefixflow.core.offload.PrefixOffload.load
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "load", lambda self, p: loads.append(p) or load(self, p))
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
         streamed = [t for t in g.cache.tensors() if isinstance(t, StreamedTensor)]
         assert len(streamed) == 2 * model.config.num_hidden_layers
@@ -113,7 +113,7 @@ def test_broken_streaming_fails_the_check(broken, monkeypatch):
     full_sequence_backward(model, group)
     expected = gradients(model)
     model.zero_grad(set_to_none=True)
-    monkeypatch.setattr(hf_prefixflow.kv_cache, "StreamedTensor", broken)
+    monkeypatch.setattr(hf_prefixflow.core.kv_cache, "StreamedTensor", broken)
     hf_prefixflow.apply_prefixflow(model, offload_kv=True)
     prefixflow_backward(model, group, plan)
     with pytest.raises(AssertionError):
@@ -151,14 +151,14 @@ def test_a_streamed_group_leaves_nothing_behind(monkeypatch):
             raise RuntimeError("a wave fails")
     gc.collect()
     assert len(created) == 12 and not [r for r in created if r() is not None]
-    pool = hf_prefixflow.model.unwrap(model)._prefixflow_pool
+    pool = hf_prefixflow.core.access.unwrap(model)._prefixflow_pool
     assert pool._out == 0  # every parked buffer returned
 
 
 def test_the_host_sum_widens_with_a_wider_gradient_and_refuses_a_late_one():
     """A bf16 sum that meets an fp32 gradient (mixed kernels under autocast) goes on in fp32, as the device-resident
     sum does; a wave whose backward comes after its group closed is refused, not lost."""
-    host = hf_prefixflow.offload.PrefixOffload(torch.device("cpu"))
+    host = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"))
     live = torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16, requires_grad=True) * 1
     streamed = StreamedTensor(live, torch.bfloat16, host, [])
     for grad in (torch.ones(1, 2, 3, 4, dtype=torch.bfloat16), torch.full((1, 2, 3, 4), 1e-3)):
@@ -172,7 +172,7 @@ def test_the_host_sum_widens_with_a_wider_gradient_and_refuses_a_late_one():
 
 
 def test_the_planner_counts_the_kv_a_wave_keeps_with_its_activations():
-    from hf_prefixflow import planner
+    from hf_prefixflow.planning import planner
 
     tokens = planner.token_bytes(build("llama", num_hidden_layers=4).config, dtype=torch.bfloat16)
     args = (tokens, 0.0, 4096, 256, 2, "full", True, 1.0)

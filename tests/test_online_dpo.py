@@ -23,7 +23,8 @@ from trl.experimental.utils import truncate_right
 import grpo_setup as setup
 import hf_prefixflow
 from equivalence import assert_rel_close
-from hf_prefixflow import _compat, layouts
+from hf_prefixflow import _compat
+from hf_prefixflow.core import layouts
 from hf_prefixflow import PrefixFlowOnlineDPOConfig, PrefixFlowOnlineDPOTrainer
 from hf_prefixflow.trainers import dpo as pf_dpo
 from hf_prefixflow.trainers import online_dpo as pf_online
@@ -304,7 +305,7 @@ def test_padding_sees_row_is_the_stock_padded_row(implementation):
 
 def test_padding_sees_row_flex_mask_is_the_dense_mask():
     """FlexAttention's mask function (FlexAttention on a CPU refuses float64) allows what `Wave.visible` does."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
     wave = layouts.padded_wave(torch.tensor([[5]]), torch.randint(3, 90, (2, 6)), mask, cached_length=8)

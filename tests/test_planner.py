@@ -8,7 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow import PrefixFlowConfig, PrefixFlowError, planner
+from hf_prefixflow import PrefixFlowConfig, PrefixFlowError
+from hf_prefixflow.planning import planner
 from hf_prefixflow._compat import enable_checkpointing
 
 GIB = 2**30

@@ -16,8 +16,9 @@ import transformers
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 import hf_prefixflow
-from hf_prefixflow import PrefixFlowError, architecture
-from hf_prefixflow import model as model_module
+from hf_prefixflow import PrefixFlowError
+from hf_prefixflow.models import probe, tiny as tiny_copy
+import hf_prefixflow.apply as model_module
 from equivalence import assert_rel_close, assert_same_gradients, gradients, pad, random_group, token_loss
 from models import build
 
@@ -63,7 +64,7 @@ def test_without_the_rope_check_dynamic_rope_trains_wrongly(monkeypatch):
     """The broken variant: with the refusal (and the probe) off, dynamic RoPE past its original length rotates the
     prefix alone (Phase A) differently from the prefix inside [P || S]: the side-by-side run catches it."""
     monkeypatch.setattr(model_module, "_check_rope", lambda model: None)
-    monkeypatch.setattr(architecture, "probe", lambda model: architecture.ProbeResult())
+    monkeypatch.setattr(probe, "probe", lambda model: probe.ProbeResult())
     config = transformers.LlamaConfig(max_position_embeddings=8,
                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     outcome, detail, _ = families.run_variant(transformers.LlamaForCausalLM, config)
@@ -77,7 +78,7 @@ def test_the_tiny_copy_keeps_head_size_relations():
     grouped-query path) stays so, and the query/key head stays the sum of its parts."""
     for v_head_dim in (128, 192):
         config = transformers.DeepseekV3Config(num_key_value_heads=16, v_head_dim=v_head_dim)
-        tiny = architecture.tiny_config(config)
+        tiny = tiny_copy.tiny_config(config)
         assert tiny.qk_head_dim == tiny.qk_nope_head_dim + tiny.qk_rope_head_dim
         assert (tiny.v_head_dim == tiny.qk_head_dim) is (config.v_head_dim == config.qk_head_dim)
         assert tiny.qk_rope_head_dim == tiny.head_dim  # DeepSeek's rotary part is `head_dim` wide
@@ -102,12 +103,12 @@ def test_deepseek_v3_with_fewer_kv_heads_is_accepted_under_flex_attention(monkey
     `num_key_value_heads`; the probe's sdpa stand-in groups by shapes as flex does and verifies it. Under sdpa and
     eager, which repeat K/V by `num_key_value_heads`, the model itself fails, and the refusal names the attention.
     The broken variant: an sdpa stand-in that repeats K/V cannot run the copy, and a flex model was refused."""
-    monkeypatch.setattr(architecture, "_probed", {})
+    monkeypatch.setattr(probe, "_probed", {})
     hf_prefixflow.apply_prefixflow(_deepseek_on_meta("flex_attention"))
     with pytest.raises(PrefixFlowError, match=r"could not be built or run with attention 'sdpa'.*size of tensor"):
         hf_prefixflow.apply_prefixflow(_deepseek_on_meta("sdpa"))
-    monkeypatch.setattr(architecture, "_probed", {})
-    monkeypatch.setattr(architecture.compat, "sdpa_grouped_by_shapes", contextlib.nullcontext)
+    monkeypatch.setattr(probe, "_probed", {})
+    monkeypatch.setattr(probe.compat, "sdpa_grouped_by_shapes", contextlib.nullcontext)
     with pytest.raises(PrefixFlowError, match="could not verify DeepseekV3ForCausalLM"):
         hf_prefixflow.apply_prefixflow(_deepseek_on_meta("flex_attention"))
 
@@ -118,9 +119,9 @@ def test_deepseek_v3_with_fewer_kv_heads_is_probed_like_the_model_runs():
     its grouped-query path and the model runs: so does its tiny copy (the probe used to draw a narrower value head and
     fail to run it). Where the value head is narrower, the model itself fails under sdpa, and so does the copy."""
     runs = _deepseek(16, 192)
-    model = architecture.build_tiny(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
+    model = tiny_copy.build_tiny(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
     model(input_ids=model.dummy_inputs["input_ids"][:1, :5] % 90 + 3)
-    result = architecture._run_probe(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
+    result = probe._run_probe(transformers.DeepseekV3ForCausalLM, runs, "sdpa")
     assert result.skipped is None
 
 
@@ -133,19 +134,19 @@ def _qwen2_late_windows() -> transformers.Qwen2Config:
 
 
 def test_the_tiny_copy_keeps_sliding_layers_that_come_late():
-    tiny = architecture.tiny_config(_qwen2_late_windows())
+    tiny = tiny_copy.tiny_config(_qwen2_late_windows())
     assert tiny.num_hidden_layers <= 8
     assert tiny.layer_types.count("sliding_attention") >= 1 and "full_attention" in tiny.layer_types
     # the first sliding layer, renumbered: layer_types and max_window_layers agree
     assert tiny.layer_types.index("sliding_attention") == tiny.max_window_layers
-    model = architecture.build_tiny(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
+    model = tiny_copy.build_tiny(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
     windows = [layer.self_attn.sliding_window for layer in model.model.layers]
     assert windows[-1] == 4 and windows[0] is None
 
 
 def _drop_windows(monkeypatch) -> None:
     """The broken variant: the waves' masks ignore the layer's sliding window."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
     original = attention._wave_mask
     monkeypatch.setattr(attention, "_wave_mask",
@@ -155,22 +156,22 @@ def _drop_windows(monkeypatch) -> None:
 def test_the_probe_refuses_waves_that_drop_a_late_sliding_window(monkeypatch):
     """Qwen2 with its sliding layers past the eighth: the probe keeps one, so waves that drop the window are refused
     (a copy of the first eight layers alone, all full attention, accepted them)."""
-    architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")  # exact as it is
+    probe._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")  # exact as it is
     _drop_windows(monkeypatch)
     with pytest.raises(PrefixFlowError, match="does not match full sequences"):
-        architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
+        probe._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa")
     # the gap this closes: a copy truncated to its first layers has no sliding layer and accepts the broken waves
-    monkeypatch.setattr(architecture, "_kept_layers", lambda kinds, keep: list(range(keep)))
-    assert architecture._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa").skipped is None
+    monkeypatch.setattr(tiny_copy, "_kept_layers", lambda kinds, keep: list(range(keep)))
+    assert probe._run_probe(transformers.Qwen2ForCausalLM, _qwen2_late_windows(), "sdpa").skipped is None
 
 
 def test_the_probe_prompt_reaches_past_windows_and_chunks():
     """The probe's prompt and completions are longer than the windows and chunks of the tiny copy, in several
     waves."""
-    assert architecture._PROBE_PREFIX > 2 * 4 and min(architecture._PROBE_SUFFIXES[:1]) > 4
-    assert len(architecture._PROBE_WAVES) >= 2
-    rows = sorted(i for wave in architecture._PROBE_WAVES for i in wave)
-    assert rows == list(range(len(architecture._PROBE_SUFFIXES)))
+    assert probe._PROBE_PREFIX > 2 * 4 and min(probe._PROBE_SUFFIXES[:1]) > 4
+    assert len(probe._PROBE_WAVES) >= 2
+    rows = sorted(i for wave in probe._PROBE_WAVES for i in wave)
+    assert rows == list(range(len(probe._PROBE_SUFFIXES)))
 
 
 # ---- Llama 4: chunked attention and the attention temperature ----------------------------------------------------
@@ -180,7 +181,7 @@ def test_llama4_text_trains_exactly_with_chunks_and_its_temperature():
     query temperature, both at tiny scales (chunks and temperature steps of 4 positions): exact, SGD steps over padded
     and packed waves."""
     config = transformers.Llama4TextConfig()
-    tiny = architecture.tiny_config(config)
+    tiny = tiny_copy.tiny_config(config)
     assert "chunked_attention" in tiny.layer_types and "full_attention" in tiny.layer_types
     assert tiny.attention_chunk_size == 4 and tiny.floor_scale == 4 and tiny.attn_temperature_tuning
     outcome, detail, _ = families.run_variant(transformers.Llama4ForCausalLM, config)
@@ -190,25 +191,25 @@ def test_llama4_text_trains_exactly_with_chunks_and_its_temperature():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_the_probe_refuses_waves_that_ignore_the_chunks(monkeypatch, attn):
     """The broken variant: waves whose masks ignore the chunk (suffix tokens see the whole prefix) are refused."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
-    assert architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn).skipped \
+    assert probe._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn).skipped \
         is None
     original = attention._wave_mask
     monkeypatch.setattr(attention, "_wave_mask", lambda wave, base, window, query, kv_length, chunk=None:
                         original(wave, base, window, query, kv_length))
     with pytest.raises(PrefixFlowError, match="does not match full sequences"):
-        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn)
+        probe._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), attn)
 
 
 def test_the_probe_refuses_waves_that_keep_the_temperature_at_the_wave_index(monkeypatch):
     """The broken variant: a wave's NoPE queries keep the temperature of their index in the wave (what the module
     computes without an inference cache) instead of their position: refused, chunks handled."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
     monkeypatch.setattr(attention, "index_scaled_query", lambda module, query, positions: query)
     with pytest.raises(PrefixFlowError, match="does not match full sequences"):
-        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
+        probe._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
 
 
 def test_chunk_masks_match_transformers_chunked_mask():
@@ -216,7 +217,7 @@ def test_chunk_masks_match_transformers_chunked_mask():
     sequence: the same keys, padded and packed waves, with a left-padding offset."""
     from transformers.masking_utils import chunked_causal_mask_function
 
-    from hf_prefixflow import attention, layouts
+    from hf_prefixflow.core import attention, layouts
 
     chunk, offset, cached = 3, 2, 7
     last = torch.tensor([[5]])
@@ -253,7 +254,7 @@ def _left_padded_llama4(gen: torch.Generator) -> tuple[torch.nn.Module, list, in
     # layer 0 without RoPE (temperature-tuned, full attention), layer 1 chunked: the NoPE layer's prompt queries feed
     # the next layer's prompt K/V, so Phase A's temperature shows in the gradients
     config = transformers.Llama4TextConfig(num_hidden_layers=2, no_rope_layers=[0, 1])
-    model = architecture.build_tiny(transformers.Llama4ForCausalLM, config, "sdpa").train()
+    model = tiny_copy.build_tiny(transformers.Llama4ForCausalLM, config, "sdpa").train()
     assert model.config.layer_types == ["full_attention", "chunked_attention"]
     groups = [random_group(gen, prefix=(6, 13), suffix=(2, 7), n=(2, 3)) for _ in range(2)]
     return model, groups, max(len(g.prefix) for g in groups) + 3
@@ -297,7 +298,7 @@ def _prefixflow_loss(model, groups, width: int, gen: torch.Generator) -> float:
 def test_llama4_left_padded_prompts_train_exactly():
     """Prompts left-padded as TRL batches them: chunks and the NoPE layer's temperature count from the row's start
     (the prompt's first token sits at its `position_offset`), in Phase A and in padded and packed waves."""
-    with architecture.float64_throughout():
+    with tiny_copy.float64_throughout():
         gen = torch.Generator().manual_seed(4)
         model, groups, width = _left_padded_llama4(gen)
         candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
@@ -309,14 +310,14 @@ def test_llama4_left_padded_prompts_train_exactly():
 
 def test_llama4_left_padded_prompts_need_phase_a_at_its_offset(monkeypatch):
     """The broken variant: Phase A's NoPE queries keep the temperature of their index in the unpadded prompt."""
-    original = hf_prefixflow.scheduler.PrefixGroup.__init__
+    original = hf_prefixflow.core.scheduler.PrefixGroup.__init__
 
     def unshifted(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.cache.position_offset = 0
 
-    monkeypatch.setattr(hf_prefixflow.scheduler.PrefixGroup, "__init__", unshifted)
-    with architecture.float64_throughout():
+    monkeypatch.setattr(hf_prefixflow.core.scheduler.PrefixGroup, "__init__", unshifted)
+    with tiny_copy.float64_throughout():
         gen = torch.Generator().manual_seed(4)
         model, groups, width = _left_padded_llama4(gen)
         candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
@@ -349,16 +350,16 @@ def test_a_chunked_layer_whose_attention_hides_its_chunk_is_refused(monkeypatch)
 
     monkeypatch.setattr(modeling_llama4.Llama4TextAttention, "__init__", configless)
     with pytest.raises(PrefixFlowError, match=r"layer 0 is a chunked-attention layer but .*Llama4TextAttention"):
-        architecture._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
+        probe._run_probe(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa")
 
 
 def test_llama4_temperature_is_refused_under_sequence_parallelism():
     """Under Ulysses each process holds a shard of the sequence and Llama 4's NoPE layers scale queries by their
     index in the shard: refused there."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
     model = hf_prefixflow.apply_prefixflow(
-        architecture.build_tiny(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa"))
+        tiny_copy.build_tiny(transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(), "sdpa"))
     nope = next(layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope)
     query = key = value = torch.zeros(1, 4, 3, 8, dtype=torch.float64)
     with pytest.raises(PrefixFlowError, match=r"Llama4TextAttention scales its queries by their index in the "
@@ -372,7 +373,7 @@ def test_a_window_only_the_masks_carry_is_read_from_the_config(monkeypatch):
     """Phi-MoE's attention receives no sliding window (its masks carry `config.sliding_window`): the waves read the
     window from the config as transformers' masks do, and it trains exactly. The broken variant: without that
     reading, the probe refuses it (its waves would attend past the window)."""
-    from hf_prefixflow import attention
+    from hf_prefixflow.core import attention
 
     config = transformers.PhimoeConfig(sliding_window=4)
     outcome, detail, _ = families.run_variant(transformers.PhimoeForCausalLM, config)
@@ -381,4 +382,4 @@ def test_a_window_only_the_masks_carry_is_read_from_the_config(monkeypatch):
     monkeypatch.setattr(attention, "layer_window", lambda module, kwargs: original(module, kwargs)
                         if "sliding_window" in kwargs or hasattr(module, "sliding_window") else None)
     with pytest.raises(PrefixFlowError, match=r"config.sliding_window is 4 but .*PhimoeAttention.* receives no"):
-        architecture._run_probe(transformers.PhimoeForCausalLM, config, "sdpa")
+        probe._run_probe(transformers.PhimoeForCausalLM, config, "sdpa")

@@ -18,7 +18,7 @@ from trl import RewardConfig, RewardTrainer
 
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowRewardConfig, PrefixFlowRewardTrainer
-from hf_prefixflow.scheduler import PrefixGroup
+from hf_prefixflow.core.scheduler import PrefixGroup
 from hf_prefixflow.trainers import reward as pf_reward
 from test_dpo import GradientRecorder, assert_aligned, metric
 

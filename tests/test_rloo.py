@@ -13,7 +13,8 @@ from trl import RLOOConfig, RLOOTrainer
 
 import grpo_setup as setup
 from equivalence import assert_rel_close
-from hf_prefixflow import PrefixFlowError, PrefixFlowRLOOConfig, PrefixFlowRLOOTrainer, attention, scheduler
+from hf_prefixflow import PrefixFlowError, PrefixFlowRLOOConfig, PrefixFlowRLOOTrainer
+from hf_prefixflow.core import attention, scheduler
 from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers import routing
 from hf_prefixflow.trainers.grouping import check_group_prompts

@@ -25,7 +25,7 @@ from trl.chat_template_utils import is_chat_template_prefix_preserving, qwen3_te
 
 from grpo_setup import GradientRecorder
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-from hf_prefixflow.moe import RoutingRecorder, record_routing
+from hf_prefixflow.core.moe import RoutingRecorder, record_routing
 from hf_prefixflow.trainers import routing
 from hf_prefixflow.trainers.grouping import check_group_prompts
 

@@ -186,7 +186,7 @@ def test_suffix_waves_can_keep_their_activations_under_checkpointing(family):
 def test_kv_grads_sum_in_the_precision_of_the_trainable_weights():
     """gK/gV sum across waves as the model's own gradients accumulate: bf16 for bf16 weights, fp32 for PEFT's fp32
     adapters on a bf16 base, fp64 here in fp64; `kv_grad_dtype` overrides."""
-    from hf_prefixflow.model import kv_grad_dtype
+    from hf_prefixflow.core.access import kv_grad_dtype
 
     model = hf_prefixflow.apply_prefixflow(build("llama"))
     assert kv_grad_dtype(model) == torch.float64

@@ -9,7 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from equivalence import assert_rel_close, train_side_by_side, random_group, random_plan
 import hf_prefixflow
-from hf_prefixflow import split_attention
+from hf_prefixflow.core import split_attention
 from models import build
 
 

@@ -1,4 +1,4 @@
-"""Hybrid models: recurrent layers' prefix states cached like K/V (`hf_prefixflow.states`), in float64 throughout.
+"""Hybrid models: recurrent layers' prefix states cached like K/V (`hf_prefixflow.core.states`), in float64 throughout.
 
 Every family whose mixers read their state through transformers' cache API trains exactly: loss, every gradient and
 the weights after SGD steps equal full-sequence training, over random prompt and completion lengths (one-token
@@ -21,7 +21,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_prefixflow
 from equivalence import (assert_same_gradients, full_sequence_backward, gradients, prefixflow_backward, random_group,
                          random_plan, train_side_by_side)
-from hf_prefixflow import _compat, architecture, states
+from hf_prefixflow import _compat
+from hf_prefixflow.core import states
+from hf_prefixflow.models import probe, tiny as tiny_copy
 from hf_prefixflow.errors import PrefixFlowError
 
 # model type -> config options (layer kinds a real checkpoint has that the default config lacks)
@@ -49,24 +51,24 @@ MORE_HYBRIDS = {
 def tiny_hybrid(model_type: str, options: dict, seed: int = 0) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **options)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    return architecture.build_tiny(model_cls, config, "sdpa", seed=seed)
+    return tiny_copy.build_tiny(model_cls, config, "sdpa", seed=seed)
 
 
 @pytest.fixture(autouse=True)
 def float64_inside(request):
     """The torch fallbacks cast to float32 inside (recurrent states are float32): keep float64 so 1e-5 means
-    something (`architecture.float64_throughout`), on one thread; tests marked `native_dtypes` keep the casts."""
+    something (`tiny_copy.float64_throughout`), on one thread; tests marked `native_dtypes` keep the casts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     native = request.node.get_closest_marker("native_dtypes") is not None
-    with contextlib.nullcontext() if native else architecture.float64_throughout():
+    with contextlib.nullcontext() if native else tiny_copy.float64_throughout():
         yield
     torch.set_num_threads(threads)
 
 
 def _checkpointed(model):
     _compat.enable_checkpointing(model, use_reentrant=False)
-    architecture.recompute_in_float64(model)
+    tiny_copy.recompute_in_float64(model)
     return model
 
 
@@ -93,7 +95,7 @@ def test_hybrid_families_train_exactly_under_checkpointing(model_type):
     also through the recompute in each wave's backward and in Phase C."""
     model = _checkpointed(tiny_hybrid(model_type, HYBRIDS[model_type]))
     groups, plans = _groups(seed=7, count=2)
-    train_side_by_side(model, groups, plans, prepare=lambda m: architecture.recompute_in_float64(
+    train_side_by_side(model, groups, plans, prepare=lambda m: tiny_copy.recompute_in_float64(
         hf_prefixflow.apply_prefixflow(m)) or m)
 
 
@@ -150,12 +152,12 @@ def test_broken_without_the_state_the_suffixes_are_wrong(monkeypatch):
 @pytest.mark.parametrize("kind", [states.CONV, states.RECURRENT])
 def test_broken_a_dropped_state_gradient_is_caught(monkeypatch, kind):
     """One kind of state carried forward but its gradient never reaching Phase C."""
-    capture = hf_prefixflow.kv_cache.TrainingKVCache.capture_state
+    capture = hf_prefixflow.core.kv_cache.TrainingKVCache.capture_state
 
     def detached(self, key, live):
         capture(self, key, live.detach() if key[1] == kind else live)
 
-    monkeypatch.setattr(hf_prefixflow.kv_cache.TrainingKVCache, "capture_state", detached)
+    monkeypatch.setattr(hf_prefixflow.core.kv_cache.TrainingKVCache, "capture_state", detached)
     model = tiny_hybrid("qwen3_5_text", {})
     with pytest.raises(AssertionError):
         _side_by_side(model, hf_prefixflow.apply_prefixflow(copy.deepcopy(model)))
@@ -168,7 +170,7 @@ def test_broken_checkpointing_that_drops_the_cache_is_caught(monkeypatch):
         args, {k: v for k, v in kwargs.items() if k not in ("prefixflow_pass",)}))
     model = _checkpointed(tiny_hybrid("lfm2", HYBRIDS["lfm2"]))
     candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
-    architecture.recompute_in_float64(candidate)
+    tiny_copy.recompute_in_float64(candidate)
     with pytest.raises(PrefixFlowError, match="did not receive PrefixFlow.s pass marker in the prompt.s forward"):
         _side_by_side(model, candidate)
 
@@ -176,7 +178,7 @@ def test_broken_checkpointing_that_drops_the_cache_is_caught(monkeypatch):
 def test_a_model_that_drops_the_marker_before_its_mixers_is_refused():
     """Mamba2ForCausalLM calls its backbone with a fixed argument list: the waves' marker never reaches the mixers,
     which would start from a zero state. The wave checks that every captured state was read."""
-    model = transformers.Mamba2ForCausalLM(architecture.tiny_config(AutoConfig.for_model("mamba2")))
+    model = transformers.Mamba2ForCausalLM(tiny_copy.tiny_config(AutoConfig.for_model("mamba2")))
     with pytest.raises(PrefixFlowError, match=r"recurrent layers \[0, 1\] did not receive"):
         hf_prefixflow.apply_prefixflow(model)
 
@@ -215,7 +217,7 @@ def test_mixers_without_a_continuable_state_are_refused(model_type, words):
     config = AutoConfig.for_model(model_type)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     attn = "eager" if model_type == "falcon_mamba" else "sdpa"
-    model = model_cls(architecture.tiny_config(config)).to(torch.float64)
+    model = model_cls(tiny_copy.tiny_config(config)).to(torch.float64)
     if attn == "eager":
         model.config._attn_implementation = "eager"
     with pytest.raises(PrefixFlowError) as error:
@@ -249,20 +251,20 @@ def test_the_probe_runs_the_pytorch_path_where_fused_kernels_are_installed(monke
     fake = types.ModuleType("fake_fused_package")
     fake.chunk_gated_delta_rule = triton_only
     monkeypatch.setitem(sys.modules, "fake_fused_package", fake)
-    monkeypatch.setattr(architecture, "_probed", {})  # a probe cached by an earlier test would skip the probe
+    monkeypatch.setattr(probe, "_probed", {})  # a probe cached by an earlier test would skip the probe
     modeling = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
     reference = modeling.torch_chunk_gated_delta_rule
     fused = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fake_fused_package")(
         getattr(reference, "__wrapped__", reference))
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", fused)
     config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=4)
-    model = transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config))
+    model = transformers.Qwen3_5ForCausalLM(tiny_copy.tiny_config(config))
     hf_prefixflow.apply_prefixflow(model)  # accepted: the probe ran the PyTorch path
     assert modeling.torch_chunk_gated_delta_rule is fused  # and the model keeps its fused kernel
-    monkeypatch.setattr(architecture, "_probed", {})  # probe again; the suite's cache is restored afterwards
+    monkeypatch.setattr(probe, "_probed", {})  # probe again; the suite's cache is restored afterwards
     monkeypatch.setattr(_compat, "reference_kernels", lambda cls: contextlib.nullcontext())
     with pytest.raises(PrefixFlowError, match="could not be built or run"):
-        hf_prefixflow.apply_prefixflow(transformers.Qwen3_5ForCausalLM(architecture.tiny_config(config)))
+        hf_prefixflow.apply_prefixflow(transformers.Qwen3_5ForCausalLM(tiny_copy.tiny_config(config)))
 
 
 @pytest.mark.native_dtypes

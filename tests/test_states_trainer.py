@@ -14,7 +14,7 @@ from trl import GRPOTrainer
 
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-from hf_prefixflow.architecture import float64_throughout, tiny_config
+from hf_prefixflow.models.tiny import float64_throughout, tiny_config
 from test_trainer import assert_aligned, same_microbatches, train  # noqa: F401 - the fixture applies here too
 
 HYBRIDS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "nemotron_h": ("nemotron_h", "NemotronHForCausalLM")}
@@ -30,7 +30,7 @@ def make_hybrid(name: str, seed: int = 0):
 
 @pytest.fixture(autouse=True)
 def float64_inside():
-    """float64 throughout, the recurrent fallbacks' float32 casts included (`architecture.float64_throughout`)."""
+    """float64 throughout, the recurrent fallbacks' float32 casts included (`models.tiny.float64_throughout`)."""
     with float64_throughout():
         yield
 

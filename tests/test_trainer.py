@@ -14,7 +14,8 @@ from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, offload, scheduler
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from hf_prefixflow.core import offload, scheduler
 from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
 
@@ -376,7 +377,7 @@ def test_prompts_that_differ_within_a_group_are_refused():
 
 
 def test_a_trainer_that_skips_phase_c_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr("hf_prefixflow.scheduler.delayed_backward", lambda caches, *args: 0)
+    monkeypatch.setattr("hf_prefixflow.core.scheduler.delayed_backward", lambda caches, *args: 0)
     with pytest.raises(AssertionError, match="grad"):
         assert_aligned(*both(tmp_path))
 
@@ -483,7 +484,7 @@ def test_gpt_oss_with_router_aux_loss(tmp_path):
 def test_router_aux_loss_of_a_router_prefixflow_does_not_read(tmp_path, monkeypatch):
     """A router moe.py does not know (no logits captured, no replay): a microbatch with the load-balancing loss
     takes the plain path (warned, counted in fallback_rows), equal to GRPOTrainer."""
-    from hf_prefixflow import moe
+    from hf_prefixflow.core import moe
 
     monkeypatch.setattr(moe, "routers", lambda model: [])
     stock = _moe_run(GRPOTrainer, tmp_path, router_aux_loss=True)

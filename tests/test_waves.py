@@ -65,7 +65,7 @@ def test_calibration_measures_the_second_single_row_wave(monkeypatch):
         yield
         record(1000)
 
-    monkeypatch.setattr(hf_prefixflow.waves, "_measured", fake_measured)
+    monkeypatch.setattr(hf_prefixflow.core.waves, "_measured", fake_measured)
     auto = AutoWaves(budget_bytes=2500.0)
     waves = list(auto.waves([6, 6, 6, 6, 6, 6, 6], 10, "cuda"))  # a device object only: nothing runs on it
     assert [len(w) for w in waves] == [1, 1, 2, 2, 1] and len(measured) == 1

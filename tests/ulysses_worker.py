@@ -20,7 +20,7 @@ from launcher import finish_worker  # noqa: E402
 from models import build  # noqa: E402
 
 import hf_prefixflow  # noqa: E402
-from hf_prefixflow import scheduler  # noqa: E402
+from hf_prefixflow.core import scheduler  # noqa: E402
 from hf_prefixflow.distributed import ulysses  # noqa: E402
 
 # (prefix length, suffix lengths, waves): P-1 odd moves one prompt token into the suffixes, P=2 caches nothing.

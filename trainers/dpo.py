@@ -38,11 +38,12 @@ except ImportError:  # TRL before 1.15 scores DPO without the fused LM head: eve
 
 from hf_prefixflow import _compat
 from hf_prefixflow.distributed import data_parallel
-from hf_prefixflow.attention import PASS_KWARG, PrefixPass
+from hf_prefixflow.core.attention import PASS_KWARG, PrefixPass
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
-from hf_prefixflow.model import apply_prefixflow, unwrap
-from hf_prefixflow.scheduler import GroupRunner, GroupSession, PrefixGroup, _sessions
+from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.apply import apply_prefixflow
+from hf_prefixflow.core.access import unwrap
+from hf_prefixflow.core.scheduler import GroupRunner, GroupSession, PrefixGroup, _sessions
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class PrefixFlowDPOConfig(DPOConfig):
         default=MIN_PREFIX_TOKENS, metadata={"help": "pairs whose common token prefix is shorter train on the plain "
                                                      "path (logged and counted in prefixflow/fallback_rows)"})
     prefixflow_min_speedup: float = field(
-        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.flops) is below this train on "
+        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.planning.flops) is below this train on "
                                                "the plain path"})
     prefixflow_scoring: bool = field(
         default=True, metadata={"help": "reuse the common prefix in the reference pass too (no-grad groups)"})

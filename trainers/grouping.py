@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.layouts import right_padded
+from hf_prefixflow.core.layouts import right_padded
 
 
 def check_geometry(per_device_batch: int, num_generations: int, steps_per_generation: int,

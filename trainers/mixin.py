@@ -35,21 +35,25 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType, TorchDynamoPlugin
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_prefixflow import _compat, defaults, moe
-from hf_prefixflow.attention import RECOMPILE_LIMIT
+from hf_prefixflow import _compat
+from hf_prefixflow.core import moe
+from hf_prefixflow.planning import defaults
+from hf_prefixflow.core.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
-from hf_prefixflow.engines import fsdp_units
-from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
-from hf_prefixflow.layouts import padded_segments
+from hf_prefixflow.core.engines import fsdp_units
+from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.core.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.model import apply_prefixflow, config_of, unwrap
-from hf_prefixflow.offload import available_host_bytes
-from hf_prefixflow.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
+from hf_prefixflow.apply import apply_prefixflow
+from hf_prefixflow.core.access import config_of, unwrap
+from hf_prefixflow.core.offload import available_host_bytes
+from hf_prefixflow.planning.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
                                    token_bytes)
-from hf_prefixflow.recompute import RECOMPUTE_SHARE, decoder_layers
-from hf_prefixflow.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
-from hf_prefixflow.states import has_states
-from hf_prefixflow.waves import AutoWaves
+from hf_prefixflow.config import RECOMPUTE_SHARE
+from hf_prefixflow.core.recompute import decoder_layers
+from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
+from hf_prefixflow.core.states import has_states
+from hf_prefixflow.core.waves import AutoWaves
 
 from . import multimodal, processing, routing, sequence_parallel
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
@@ -69,7 +73,7 @@ class PrefixFlowArguments:
         default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
     prefixflow_min_speedup: float = field(
         default=MIN_SPEEDUP, metadata={"help": "groups whose FLOP bound is below this train on the plain path "
-                                               "(logged and counted); see hf_prefixflow.flops.MIN_SPEEDUP"})
+                                               "(logged and counted); see hf_prefixflow.planning.flops.MIN_SPEEDUP"})
     prefixflow_scoring: bool = field(
         default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
     prefixflow_routing_replay: bool = field(
@@ -87,7 +91,7 @@ class PrefixFlowArguments:
     prefixflow_offload_auto: bool = field(
         default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
                                          "whose estimated peak fits in the free CUDA memory and whose host pool in "
-                                         "the available host memory (hf_prefixflow.planner.offload_for); logged as "
+                                         "the available host memory (hf_prefixflow.planning.planner.offload_for); logged as "
                                          "prefixflow/offload (0 none, 1 activations, 2 K/V too); leave the two "
                                          "settings off"})
     prefixflow_prefix_recompute: float | None = field(
@@ -602,7 +606,7 @@ class PrefixFlowTrainerMixin:
             return "prefixflow_scoring=False"
         if compute_aux_loss and not self._known_routers:
             return ("router auxiliary loss of a router whose logits PrefixFlow does not read (Qwen3-MoE and Mixtral "
-                    "routers; others: hf_prefixflow.moe.register_router)")
+                    "routers; others: hf_prefixflow.core.moe.register_router)")
         return None
 
     def _choose(self, index: BatchIndex, every_group: bool = False, split: dict | None = None):

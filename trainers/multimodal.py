@@ -14,8 +14,8 @@ import itertools
 
 import torch
 
-from hf_prefixflow import multimodal as core  # the module, not the package face
-from hf_prefixflow.model import unwrap
+from hf_prefixflow.models import multimodal as core  # the module, not the package face
+from hf_prefixflow.core.access import unwrap
 
 from .grouping import BatchIndex
 
@@ -35,7 +35,7 @@ def present(extra: dict) -> bool:
 def refusal(trainer) -> str | None:
     """Why this trainer runs image rows on the plain path whatever the batch (None: it shares them)."""
     model = unwrap(trainer.model)
-    if not core.is_multimodal(model):
+    if not core.takes_images(model):
         return None
     why = core.refusal(model)
     if why is not None:

@@ -27,10 +27,11 @@ from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
 from hf_prefixflow import _compat
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.flops import PASS_FLOOR_TOKENS, ModelShape
-from hf_prefixflow.layouts import right_padded
-from hf_prefixflow.model import apply_prefixflow, unwrap
-from hf_prefixflow.scheduler import PrefixGroup
+from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.core.layouts import right_padded
+from hf_prefixflow.apply import apply_prefixflow
+from hf_prefixflow.core.access import unwrap
+from hf_prefixflow.core.scheduler import PrefixGroup
 
 from .dpo import (SHARING_ENGINES, Pair, PairScorer, PairTrainerMixin, PrefixFlowDPOConfig, PrefixFlowDPOTrainer,
                   _inside_path)

@@ -29,10 +29,11 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from trl import RewardConfig, RewardTrainer
 
 from hf_prefixflow import _compat
-from hf_prefixflow.attention import PASS_KWARG, SuffixPass
+from hf_prefixflow.core.attention import PASS_KWARG, SuffixPass
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
-from hf_prefixflow.model import apply_prefixflow, decoder_of, unwrap
+from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.apply import apply_prefixflow
+from hf_prefixflow.core.access import decoder_of, unwrap
 
 from .dpo import (MIN_PREFIX_TOKENS, SHARING_ENGINES, Pair, PairScorer, PairTrainerMixin, _inside, _inside_path,
                   _PrefixOutput, pair_rows, right_padded_lengths)
@@ -51,7 +52,7 @@ class PrefixFlowRewardConfig(RewardConfig):
         default=MIN_PREFIX_TOKENS, metadata={"help": "pairs whose common token prefix is shorter train on the plain "
                                                      "path (logged and counted in prefixflow/fallback_rows)"})
     prefixflow_min_speedup: float = field(
-        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.flops) is below this train on "
+        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.planning.flops) is below this train on "
                                                "the plain path"})
 
 
@@ -171,7 +172,7 @@ class RewardPairScorer(PairScorer):
         return SequenceClassifierOutputWithPast(logits=torch.stack([rows[r] for r in range(input_ids.shape[0])]))
 
     def _open_on(self, session, view, prefix_ids: torch.Tensor, runner: _DecoderWaves):
-        from hf_prefixflow.scheduler import PrefixGroup
+        from hf_prefixflow.core.scheduler import PrefixGroup
 
         group = PrefixGroup(view, prefix_ids, runner=runner)
         with _inside_path():

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.moe import ROUTES_KWARG, RoutingRecorder
+from hf_prefixflow.core.moe import ROUTES_KWARG, RoutingRecorder
 
 logger = logging.getLogger(__name__)
 

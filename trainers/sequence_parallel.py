@@ -18,7 +18,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 
 from hf_prefixflow.errors import PrefixFlowError
-from hf_prefixflow.scheduler import GroupSession
+from hf_prefixflow.core.scheduler import GroupSession
 from hf_prefixflow.distributed import ulysses
 
 from .grouping import index_batch

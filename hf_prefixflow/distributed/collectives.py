@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .._compat import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..errors import PrefixFlowError
-from ..model import config_of
+from ..core.access import config_of
 
 
 def device_of(model: torch.nn.Module) -> torch.device:

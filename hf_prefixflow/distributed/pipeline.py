@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from ..attention import PASS_KWARG, PrefixPass
+from ..core.attention import PASS_KWARG, PrefixPass
 from ..errors import PrefixFlowError
-from ..layouts import right_padded
-from ..model import decoder_of, unwrap
-from ..scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
-from ..states import has_states
+from ..core.layouts import right_padded
+from ..core.access import decoder_of, unwrap
+from ..core.scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
+from ..core.states import has_states
 from .collectives import all_gather, refuse_offload_kv
 
 # Phase A/C messages: a tag of their own on gloo; NCCL ignores tags and matches a pair's messages in issue order,

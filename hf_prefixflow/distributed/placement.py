@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PrefixFlowError
-from ..kv_cache import CachedTensor, LayerKV, TrainingKVCache
-from ..scheduler import GroupSession, PrefixGroup
+from ..core.kv_cache import CachedTensor, LayerKV, TrainingKVCache
+from ..core.scheduler import GroupSession, PrefixGroup
 from .collectives import device_of, per_dtype, refuse_offload_kv
 
 

@@ -28,14 +28,14 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..attention import PASS_KWARG, SP_KWARG, PrefixPass, SuffixPass
+from ..core.attention import PASS_KWARG, SP_KWARG, PrefixPass, SuffixPass
 from ..errors import PrefixFlowError
-from ..kv_cache import TrainingKVCache
-from ..layouts import PADDING, Wave
-from ..model import unwrap
-from ..moe import routers
-from ..scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
-from ..states import has_states
+from ..core.kv_cache import TrainingKVCache
+from ..core.layouts import PADDING, Wave
+from ..core.access import unwrap
+from ..core.moe import routers
+from ..core.scheduler import STATES_ON_ONE_PROCESS, GroupRunner, GroupSession, PrefixGroup
+from ..core.states import has_states
 from .collectives import refuse_offload_kv
 from .data_parallel import reduce_trainable_gradients
 

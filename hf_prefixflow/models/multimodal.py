@@ -31,13 +31,16 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
-from . import _compat as compat
-from . import architecture, attention
-from .attention import PASS_KWARG, TOWER, PrefixPass
-from .errors import PrefixFlowError
-from .kv_cache import TrainingKVCache
-from .model import decoder_of, unwrap
-from .scheduler import GroupRunner, PrefixGroup, prefix_group
+from .. import _compat as compat
+from ..core import attention
+from ..core.access import decoder_of, takes_images, unwrap
+from ..core.attention import PASS_KWARG, PrefixPass
+from ..core.kv_cache import TrainingKVCache
+from ..core.scheduler import PROMPT_RUNNER, GroupRunner, PrefixGroup, prefix_group
+from ..core.switch import enable
+from ..errors import PrefixFlowError
+from .probe import TOLERANCE, ProbeResult, bridge, reach
+from .tiny import VOCAB, build_tiny, float64_throughout, recompute_in_float64
 
 # Config attributes holding the placeholder ids the processor repeats once per image (or video) feature.
 PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
@@ -74,11 +77,6 @@ FAMILIES = {
 }
 
 
-def is_multimodal(model: torch.nn.Module) -> bool:
-    """Whether `model` (or the transformers model inside it) takes images."""
-    return callable(getattr(unwrap(model), "get_image_features", None))
-
-
 def family_of(model: torch.nn.Module) -> Family | None:
     """The `Family` of `model`'s `config.model_type`, or None when PrefixFlow has no image probe for it."""
     return FAMILIES.get(unwrap(model).config.model_type)
@@ -97,15 +95,6 @@ def placeholder_ids(config) -> set[int]:
     return {v for name in PLACEHOLDERS if isinstance(v := getattr(config, name, None), int)}
 
 
-def mark_towers(model: PreTrainedModel) -> None:
-    """Mark every module outside the decoder: some models hand the forward's kwargs, Phase A's marker included, on to
-    their vision tower (Qwen2-VL, LLaVA), whose attention then runs as the model's own implementation."""
-    decoder = {id(m) for m in decoder_of(model).modules()}
-    for module in model.modules():
-        if id(module) not in decoder:
-            setattr(module, TOWER, True)
-
-
 def refusal(model: torch.nn.Module) -> str | None:
     """Why the image prompts of `model` cannot share their prefix exactly.
 
@@ -117,12 +106,12 @@ def refusal(model: torch.nn.Module) -> str | None:
         reason that says to call it).
     """
     inner = unwrap(model)
-    if not is_multimodal(inner):
+    if not takes_images(inner):
         return f"{type(inner).__name__} takes no images"
     return getattr(inner, "_prefixflow_image_refusal", "call hf_prefixflow.apply_prefixflow(model) first")
 
 
-def check(model: PreTrainedModel) -> architecture.ProbeResult | None:
+def check(model: PreTrainedModel) -> ProbeResult | None:
     """`apply_prefixflow`'s check of image prompts: probe the architecture once and store the refusal, warned.
 
     Args:
@@ -135,9 +124,9 @@ def check(model: PreTrainedModel) -> architecture.ProbeResult | None:
     Raises:
         PrefixFlowError: a prefix-LM whose image probe fails (refused whole).
     """
-    if not is_multimodal(model):
+    if not takes_images(model):
         return None
-    reason, reach = probe(model)
+    reason, reached = probe(model)
     prefix_lm = family_of(model) is not None and family_of(model).prefix_lm
     if prefix_lm and reason is not None:
         raise PrefixFlowError(f"{type(model).__name__}: {reason}. Train this model with the plain trainer.")
@@ -145,8 +134,9 @@ def check(model: PreTrainedModel) -> architecture.ProbeResult | None:
         warnings.warn(f"PrefixFlow trains text prompts of {type(model).__name__} but not its image prompts: {reason}",
                       stacklevel=3)
     model._prefixflow_image_refusal = reason
+    setattr(model, PROMPT_RUNNER, MultimodalRunner)  # the scheduler's runner of image prompts
     model._prefixflow_prefix_lm = prefix_lm  # every group then needs token_type_ids (see `PrefixGroup`)
-    return reach if prefix_lm else None
+    return reached if prefix_lm else None
 
 
 # ---- Phase A and the waves of an image prompt ------------------------------------------------------------------
@@ -261,14 +251,14 @@ def _rope_index(base: torch.nn.Module, ids: torch.Tensor, inputs: dict) -> tuple
 
 # ---- tiny samples: the probe's and the tests' ------------------------------------------------------------------
 
-IMAGE_ID = architecture.VOCAB - 3  # placeholder ids of a tiny copy, inside its vocabulary, above its text ids
-VIDEO_ID = architecture.VOCAB - 4
+IMAGE_ID = VOCAB - 3  # placeholder ids of a tiny copy, inside its vocabulary, above its text ids
+VIDEO_ID = VOCAB - 4
 TEXT_IDS = (3, VIDEO_ID)  # random text draws from [3, VIDEO_ID)
 
 
 def fit_images(config) -> None:
     """Shrink the image geometry of a (to be tiny) `config` in place: a few patches and tokens per image, and its
-    placeholder ids inside the tiny vocabulary (`architecture.tiny_config` keeps them above it).
+    placeholder ids inside the tiny vocabulary (`tiny.tiny_config` keeps them above it).
 
     Args:
         config: a config of a `FAMILIES` model type; modified in place.
@@ -382,10 +372,10 @@ def full_inputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], rows: i
 
 # ---- the probe -------------------------------------------------------------------------------------------------
 
-_probed: dict[tuple, tuple[str | None, architecture.ProbeResult | None]] = {}
+_probed: dict[tuple, tuple[str | None, ProbeResult | None]] = {}
 
 
-def probe(model: PreTrainedModel) -> tuple[str | None, architecture.ProbeResult | None]:
+def probe(model: PreTrainedModel) -> tuple[str | None, ProbeResult | None]:
     """Train one group with two images on a tiny float64 copy of `model`'s architecture both ways (activation
     checkpointing on). Cached per model class, attention and config.
 
@@ -404,14 +394,14 @@ def probe(model: PreTrainedModel) -> tuple[str | None, architecture.ProbeResult 
     base = "sdpa" if base == "flex_attention" else base
     key = (type(model), base, config.to_json_string(use_diff=False))
     if key not in _probed:
-        with torch.random.fork_rng(devices=[]), architecture.float64_throughout():
+        with torch.random.fork_rng(devices=[]), float64_throughout():
             _probed[key] = _probe_images(type(model), config, base)
     return _probed[key]
 
 
 def tiny_model(model_cls: type, config, attn: str = "sdpa", seed: int = 0) -> PreTrainedModel:
     """A float64 CPU model of `model_cls` on a tiny copy of `config` with a few patches per image
-    (`architecture.build_tiny` after `fit_images`; `config` itself is left as it is).
+    (`build_tiny` after `fit_images`; `config` itself is left as it is).
 
     Args:
         model_cls: the model class.
@@ -421,12 +411,10 @@ def tiny_model(model_cls: type, config, attn: str = "sdpa", seed: int = 0) -> Pr
     """
     fitted = copy.deepcopy(config)
     fit_images(fitted)
-    return architecture.build_tiny(model_cls, fitted, attn, seed)
+    return build_tiny(model_cls, fitted, attn, seed)
 
 
-def _probe_images(model_cls: type, config, attn: str) -> tuple[str | None, architecture.ProbeResult | None]:
-    from .model import enable  # the switch without a probe
-
+def _probe_images(model_cls: type, config, attn: str) -> tuple[str | None, ProbeResult | None]:
     owner = model_cls.__name__
     try:
         reference = tiny_model(model_cls, config, attn)
@@ -435,13 +423,14 @@ def _probe_images(model_cls: type, config, attn: str) -> tuple[str | None, archi
     candidate = copy.deepcopy(reference)
     enable(candidate)
     candidate._prefixflow_image_refusal = None  # on trial
-    reach = architecture._reach(candidate)
-    architecture.bridge(candidate, reach)
+    setattr(candidate, PROMPT_RUNNER, MultimodalRunner)
+    reached = reach(candidate)
+    bridge(candidate, reached)
     for tiny in (reference, candidate):
         if tiny.supports_gradient_checkpointing:
             compat.enable_checkpointing(tiny, use_reentrant=False)
-            architecture.recompute_in_float64(tiny)
-    return _compare(reference, candidate, owner), reach
+            recompute_in_float64(tiny)
+    return _compare(reference, candidate, owner), reached
 
 
 def _compare(reference: PreTrainedModel, candidate: PreTrainedModel, owner: str) -> str | None:
@@ -471,7 +460,7 @@ def _compare(reference: PreTrainedModel, candidate: PreTrainedModel, owner: str)
         return f"a tiny {owner} fails on an image prompt inside a prefix group ({type(exc).__name__}: {str(exc)[:300]})"
     worst, name = _worst_gradient(reference, candidate)
     loss_error = abs(loss.item() - ref_loss) / max(abs(ref_loss), 1e-30)
-    if loss_error > architecture.TOLERANCE or worst > architecture.TOLERANCE:
+    if loss_error > TOLERANCE or worst > TOLERANCE:
         return (f"a tiny float64 {owner} trained on an image prompt with PrefixFlow does not match full sequences "
                 f"(loss off by {loss_error:.1e}, gradient of {name} off by {worst:.1e} of its scale)")
     return None

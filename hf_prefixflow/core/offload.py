@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _compat
-from ._compat import outside_dispatch_modes
-from .errors import PrefixFlowError
+from .. import _compat
+from .._compat import outside_dispatch_modes
+from ..errors import PrefixFlowError
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from .errors import PrefixFlowError
-from .model import decoder_of
+from ..errors import PrefixFlowError
+from .access import decoder_of
 
 
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:

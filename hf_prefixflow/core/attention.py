@@ -30,9 +30,9 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from . import _compat as compat
+from .. import _compat as compat
 from . import split_attention
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 from .layouts import PADDING, PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish

@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from . import _compat as compat
-from .errors import PrefixFlowError
+from .. import _compat as compat
+from ..errors import PrefixFlowError
 
 ROUTES_KWARG = "prefixflow_routes"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 
 PADDING = -1
 PREFIX = -2

@@ -75,9 +75,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from .config import PrefixFlowConfig
-from .errors import PrefixFlowError
-from .offload import PREFETCH_LAYERS
+from ..config import PrefixFlowConfig
+from ..errors import PrefixFlowError
+from ..core.offload import PREFETCH_LAYERS
 
 POLICIES = ("none", "full", "selective")
 LOSS_BYTES_PER_LOGIT = 12.0  # fp32 log-softmax output, the loss's gradient and log-softmax's, at its backward

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ import inspect
 import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
 
 CONV, RECURRENT = "conv", "recurrent"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 
 
 class CachedTensor:

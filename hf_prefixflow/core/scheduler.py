@@ -22,10 +22,10 @@ import torch
 
 from .attention import PASS_KWARG, PrefixPass, SuffixPass, is_wrapped
 from .engines import gathers_weights_in_hooks, prefix_module
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 from .kv_cache import TrainingKVCache, delayed_backward
 from .layouts import Wave, packed_wave, padded_wave
-from .model import (check_checkpointing, checkpointing_suspended, config_of, decoder_of, kv_grad_dtype, unwrap,
+from .access import (check_checkpointing, checkpointing_suspended, config_of, decoder_of, kv_grad_dtype, unwrap,
                     warn_shared_randomness)
 from .moe import ROUTES_KWARG, check_replay_supported, check_routes, wave_routes
 from .offload import HostPool, PrefixOffload
@@ -33,6 +33,8 @@ from .recompute import AttentionReplay, recomputed_layers
 from .states import has_states, mixer_layers
 
 # Recurrent states are cached on the process that ran Phase A; the parallel rules move K/V only.
+# The runner class of image prompts, set on a model by `models.multimodal.check` (the scheduler does not know them).
+PROMPT_RUNNER = "_prefixflow_prompt_runner"
 STATES_ON_ONE_PROCESS = (
     "this model's recurrent layers (convolution or state-space mixers) keep a prefix state that PrefixFlow caches on "
     "the process running the group; sequence parallelism, pipelines and groups split across ranks move only K/V. "
@@ -202,13 +204,16 @@ class PrefixGroup:
         return wave_routes(self.routes, routes)
 
     def _multimodal_runner(self, runner: GroupRunner | None, prefix_inputs: dict) -> GroupRunner:
-        """The runner of an image prompt (`multimodal.MultimodalRunner`), which takes its processor tensors."""
-        from .multimodal import MultimodalRunner
-
+        """The runner of an image prompt (`models.multimodal.MultimodalRunner`), which takes its processor tensors."""
+        runner_class = getattr(self._inner, PROMPT_RUNNER, None)
+        if runner_class is None:
+            raise PrefixFlowError(
+                f"image prompts cannot share their prefix here: {type(self._inner).__name__} takes no images, or "
+                "was switched without apply_prefixflow (which checks its image prompts).")
         if runner is not None or self.routes is not None:
             raise PrefixFlowError("image prompts share their prefix on one process, without routing replay; "
                                   "sequence parallelism, pipelines and MoE replay train them on the plain path.")
-        return MultimodalRunner(self, prefix_inputs)
+        return runner_class(self, prefix_inputs)
 
     @property
     def hf_model(self) -> torch.nn.Module:

@@ -27,16 +27,11 @@ import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import _compat as compat
+from .. import _compat as compat
 from . import split_attention
 from .attention import PASS_KWARG
-from .errors import PrefixFlowError
+from ..errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
-
-# The share of prefix layers recomputed in Phase C instead of copied back under offload (the `prefix_recompute`
-# default): calibrated on GPU, where a layer recomputes faster than its activations cross PCIe (docs/offload.md,
-# docs/benchmarks.md).
-RECOMPUTE_SHARE = 1.0
 
 
 def _spread(count: int, share: float) -> list[int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from .planner import TokenBytes, baseline_peak, run_host_need, run_need
-from .recompute import RECOMPUTE_SHARE
+from ..config import RECOMPUTE_SHARE
 
 MARGIN = 0.01  # of the stock's planned peak: the planner's error against measured H200 peaks, about 1%
 

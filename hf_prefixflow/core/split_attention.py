@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import _compat as compat
+from .. import _compat as compat
 
 
 @dataclass(frozen=True)
