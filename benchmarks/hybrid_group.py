@@ -28,7 +28,8 @@ import transformers
 from transformers import AutoConfig
 
 import hf_prefixflow
-from hf_prefixflow import kv_cache
+from hf_prefixflow import _compat
+from hf_prefixflow.core import kv_cache
 
 import criterion
 
@@ -190,7 +191,8 @@ def criterion_rows(args) -> list[dict]:
     reference_model = build(args.shape, torch.float32, "cuda")
     prefix, suffixes, weights = data(reference_model.config.vocab_size, args.crit_prefix, args.crit_suffix,
                                      args.crit_n, "cuda")
-    full_sequences(reference_model, prefix, suffixes, weights, autocast=False)
+    with _compat.reference_kernels(type(reference_model)):  # the math itself, not the fused kernels under test
+        full_sequences(reference_model, prefix, suffixes, weights, autocast=False)
     reference = _grads(reference_model)
     del reference_model
     baseline_model = build(args.shape, torch.bfloat16, "cuda")

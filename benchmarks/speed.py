@@ -7,7 +7,7 @@ PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes (
 against one baseline measurement). Same model object, bf16 weights and gradients (full-parameter, no optimizer
 step), same loss on suffix tokens only, same attention kernels. Each row: a warm-up group (its first
 `--warmup-rows` suffixes, or all), then the median of `--repeats` timed groups (CUDA events), peak allocated memory,
-and the FLOP bound from `hf_prefixflow.flops`.
+and the FLOP bound from `hf_prefixflow.planning.flops`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
-from hf_prefixflow.flops import ModelShape
+from hf_prefixflow.planning.flops import ModelShape
 from timing import median_seconds
 
 SHAPES = {
@@ -31,6 +31,11 @@ SHAPES = {
                        tie_word_embeddings=True),
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    # Qwen3.5's layer pattern (three gated delta-net layers, then attention), 2.3B parameters
+    "qwen3.5-2b": dict(model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                       vocab_size=151936, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
 }
 
 
@@ -42,7 +47,7 @@ def build(name: str, prefixflow: bool = True, compile: bool = False, lora: bool 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if compile:  # per decoder layer, in place: baseline, Phase A and Phase B all run the compiled layers
         torch._dynamo.config.fail_on_recompile_limit_hit = True  # past the limit dynamo would run layers eagerly
-        torch._dynamo.config.recompile_limit = hf_prefixflow.attention.RECOMPILE_LIMIT  # as the trainer sets it
+        torch._dynamo.config.recompile_limit = hf_prefixflow.core.attention.RECOMPILE_LIMIT  # as the trainer sets it
         for layer in model.model.layers:
             layer.compile()
     if lora:

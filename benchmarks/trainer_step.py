@@ -14,7 +14,7 @@ optimizer step. Each row: the median of `--steps` steps after `--warmup`.
 The grid is the product of `--models`, `--ratios` (P / (P + S) with S = `--completion`), `--batches`
 (per_device_train_batch_size; gradient accumulation makes one optimizer step of each generation batch),
 `--checkpointing` (on, off) and `--generation` ("fixed": `_generate_single_turn` returns fixed random completions
-of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.flops`' FLOP ratio
+of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.planning.flops`' FLOP ratio
 of the step's groups (Phase C included), `amdahl_cap` the speedup if the step's non-generation part took its
 FLOP-ideal time (stock generation time measured around `_generate_single_turn`). Rows go to `trainer_step.json` and
 `.md` in `--out` after each one. `--profile` runs the grid's first point once per trainer under the torch profiler
@@ -66,16 +66,21 @@ import torch
 import transformers
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from hf_prefixflow import PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
-from hf_prefixflow.flops import ModelShape
-from hf_prefixflow.scheduler import PrefixGroup
+from hf_prefixflow import (PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, PrefixFlowRLOOConfig,
+                           PrefixFlowRLOOTrainer)
+from hf_prefixflow.planning.flops import ModelShape
+from hf_prefixflow.core.scheduler import PrefixGroup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic  # noqa: E402 - the examples' synthetic task and step timing
 from step_timing import StepTimer, sync, timed_generation  # noqa: E402
 
-TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
+# --family: each side's trainer class, its stock config class and its PrefixFlow config class
+FAMILIES = {"grpo": {"stock": (GRPOTrainer, GRPOConfig, GRPOConfig),
+                     "prefixflow": (PrefixFlowGRPOTrainer, GRPOConfig, PrefixFlowGRPOConfig)},
+            "rloo": {"stock": (RLOOTrainer, RLOOConfig, RLOOConfig),
+                     "prefixflow": (PrefixFlowRLOOTrainer, RLOOConfig, PrefixFlowRLOOConfig)}}
 PLAIN_GRID = {"models": "qwen3-1.7b", "batches": "4,16", "checkpointing": "on", "tag": "trainer_step"}
 # --memory-grid: the points where PrefixFlow's default peak must stay within GRPOTrainer's (hf_prefixflow/defaults.py)
 MEMORY_GRID = {"models": "qwen3-1.7b,llama3-8b", "splits": "4864/256,10240/2048", "batches": "1,4,16",
@@ -113,9 +118,11 @@ def prompts(count: int, length: int) -> Dataset:
 def fixed_completions(trainer, length: int, vocab: int) -> None:
     """Generation replaced by random completions of `length` tokens (no EOS), the same for every trainer."""
     rng = random.Random(0)
+    with_logprobs = isinstance(trainer, GRPOTrainer)  # GRPOTrainer's returns (ids, logprobs), RLOOTrainer's ids
 
-    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        return [[rng.randrange(3, vocab) for _ in range(length)] for _ in prompt_ids], None
+    def generate(prompt_ids, *args, **kwargs):
+        ids = [[rng.randrange(3, vocab) for _ in range(length)] for _ in prompt_ids]
+        return (ids, None) if with_logprobs else ids
 
     trainer._generate_single_turn = generate
 
@@ -127,14 +134,15 @@ def make_trainer(name: str, point: Point, args, steps: int):
     groups = point.batch * accumulation // args.n
     extra = args.prefixflow_config if name == "prefixflow" else {}
     extra = {**args.config, **extra}
-    config = (PrefixFlowGRPOConfig if name == "prefixflow" and args.prefixflow_config else GRPOConfig)(
+    trainer_class, stock_config, own_config = FAMILIES[args.family][name]
+    config = (own_config if name == "prefixflow" and args.prefixflow_config else stock_config)(
         **extra, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=point.batch,
         gradient_accumulation_steps=accumulation, num_generations=args.n, max_completion_length=point.completion,
         gradient_checkpointing=point.checkpointing, bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(), learning_rate=1e-6, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, seed=0)
     rewards = random.Random(1)
-    trainer = TRAINERS[name](
+    trainer = trainer_class(
         model=build_model(point.model, args.tiny, tokenizer), args=config, processing_class=tokenizer,
         reward_funcs=lambda completions, **kwargs: [rewards.random() for _ in completions],
         train_dataset=prompts(groups * steps + 1, prefix))
@@ -148,6 +156,23 @@ def prefix_length(ratio: float, completion: int) -> int:
     return round(completion * ratio / (1 - ratio))
 
 
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def step_flop_ratio(model: torch.nn.Module, completion: float, n: int):
+    """The FLOP ratio of a group of `n` completions of `completion` tokens as a function of the prompt length:
+    `planning.flops` for attention-only models, per-layer costs (`hybrid_group.flop_ratio`) where recurrent layers
+    replace attention."""
+    config = model.config.get_text_config()
+    if any(kind not in ATTENTION_KINDS for kind in getattr(config, "layer_types", None) or ()):
+        from hybrid_group import flop_ratio as hybrid_ratio  # benchmarks/hybrid_group.py
+
+        layers_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return lambda prefix: hybrid_ratio(layers_model, prefix, [round(completion)] * n)
+    shape = ModelShape.from_config(config)
+    return lambda prefix: shape.full_sequence(prefix, [completion] * n) / shape.prefixflow(prefix, [completion] * n)
+
+
 def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
     """Train `trainer`: whole-step and generation seconds after `warmup` steps, the peak device memory, the rows
     sent to the plain path; and TRL's logged steps."""
@@ -159,7 +184,7 @@ def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"steps": timer.times[warmup:], "warmup_steps": timer.times[:warmup], "generation": generation[warmup:],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            "fallback_rows": sum(log.get("prefixflow/fallback_rows", 0) for log in logs)}, logs
+            "fallback_rows": sum(getattr(trainer, "_fallbacks", {}).values())}, logs  # rows, warm-up included
 
 
 def run(name: str, point: Point, args) -> dict | None:
@@ -171,7 +196,8 @@ def run(name: str, point: Point, args) -> dict | None:
     except torch.OutOfMemoryError:
         release(trainer)
         return None
-    result.update(completion_mean=statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:]),
+    completion = statistics.mean(log["completions/mean_length"] for log in logs[args.warmup:])
+    result.update(completion_mean=completion, flop_ratio=step_flop_ratio(trainer.model, completion, args.n),
                   run_microbatches=max((log.get("prefixflow/run_microbatches", 0) for log in logs), default=0),
                   suffix_recomputed=max((log.get("prefixflow/suffix_checkpointing", 0) for log in logs), default=0),
                   offload_modes=offload_modes(logs), settings=ran_with(trainer), config=trainer.model.config)
@@ -188,7 +214,7 @@ RAN_WITH = ("per_device_train_batch_size", "gradient_accumulation_steps", "gradi
 def ran_with(trainer) -> dict:
     """The settings a trainer ran with: its config's (a plain GRPOConfig has no prefixflow_ fields: the trainer's
     defaults) and, for PrefixFlow, the merge cap the memory rule left for the last generation batch."""
-    prefixflow = isinstance(trainer, PrefixFlowGRPOTrainer)
+    prefixflow = isinstance(trainer, (PrefixFlowGRPOTrainer, PrefixFlowRLOOTrainer))
     values = {k: getattr(trainer, k) if k.startswith("prefixflow_") else getattr(trainer.args, k)
               for k in RAN_WITH if prefixflow or not k.startswith("prefixflow_")}
     if hasattr(trainer, "_merge_cap"):
@@ -199,7 +225,7 @@ def ran_with(trainer) -> dict:
 def offload_modes(logs: list[dict]) -> list[str]:
     """The default memory rule's settings the logged steps ran (`prefixflow/offload_mode`, a step's mean when it
     opened groups under several)."""
-    from hf_prefixflow.defaults import SETTING_NAMES
+    from hf_prefixflow.planning.defaults import SETTING_NAMES
 
     codes = sorted({log["prefixflow/offload_mode"] for log in logs if "prefixflow/offload_mode" in log})
     return [SETTING_NAMES[int(c)] if float(c).is_integer() else f"mean {c:.2f}" for c in codes]
@@ -227,9 +253,8 @@ def measure(point: Point, args, commit: str) -> dict:
     prefix, completion = prefix_length(point.ratio, point.completion), any_run["completion_mean"]
     accumulation = args.n // math.gcd(args.n, point.batch)
     groups = point.batch * accumulation // args.n
-    shape = ModelShape.from_config(any_run["config"])
-    flop_ratio = shape.full_sequence(prefix, [completion] * args.n) / shape.prefixflow(prefix, [completion] * args.n)
-    row = {"model": point.model, "P": prefix, "S": point.completion,
+    flop_ratio = any_run["flop_ratio"](prefix)
+    row = {"family": args.family, "model": point.model, "P": prefix, "S": point.completion,
            "S_mean": round(completion, 1), "N": args.n, "batch": point.batch, "groups_per_step": groups,
            "checkpointing": point.checkpointing, "generation": point.generation, "out_of_memory": out_of_memory}
     for name, result in runs.items():
@@ -481,6 +506,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--n", type=int, default=16, help="num_generations")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--family", default="grpo", choices=sorted(FAMILIES),
+                        help="grpo: GRPOTrainer and PrefixFlowGRPOTrainer; rloo: RLOOTrainer and PrefixFlowRLOOTrainer")
     parser.add_argument("--trainers", default="stock,prefixflow")
     parser.add_argument("--prefixflow-config", default="", type=options,
                         help="KEY=VALUE,... PrefixFlowGRPOConfig fields for the PrefixFlow trainer only, e.g. "

@@ -1,0 +1,187 @@
+"""Whole DPO steps of TRL's DPOTrainer and PrefixFlowDPOTrainer, side by side, on long prompts and short responses.
+
+    python benchmarks/dpo_step.py --model llama3-8b --splits 16384/64,4096/512 --lora --out $OUT
+    python benchmarks/dpo_step.py --model qwen3-1.7b --splits 16384/64 --out $OUT      # full fine-tuning
+    python benchmarks/dpo_step.py --tiny --out /tmp/dpo_step                          # CPU, a tiny model
+
+Both trainers run in one process on the same random-init model (`speed.py`'s shapes, bf16 on CUDA, SDPA; rebuilt
+with the same seed for each), a plain `DPOConfig` (TRL's defaults: sigmoid loss, beta 0.1, gradient checkpointing;
+`max_length=None` so nothing is cut) and the same pairs: a prompt of exactly P tokens, and chosen and rejected
+responses of S tokens that differ from their first token, so the shared prefix is the prompt. The reference is the
+PEFT adapter disabled under `--lora`, a second copy of the model otherwise. A step is timed from `on_step_begin` to
+`on_step_end` with the device synchronised (`examples/step_timing.py`): the reference pass, the policy pass, Phase
+C and the optimizer step. Each row: the median of `--steps` steps after `--warmup`, each side's peak allocated
+memory over its run, the pairs PrefixFlow sent to the plain path, and the FLOP ratio of the policy pass
+(`planning.flops`, the two rows of a pair against the prompt once and the two responses). A side that runs out
+of device memory is listed in `out_of_memory`. Rows go to `dpo_step.json` and `.md` in `--out` after each point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import pathlib
+import random
+import statistics
+import sys
+import tempfile
+
+import torch
+import transformers
+from datasets import Dataset
+from transformers import PrinterCallback
+from trl import DPOConfig, DPOTrainer
+
+from hf_prefixflow import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
+from hf_prefixflow.planning.flops import ModelShape
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import synthetic  # noqa: E402 - a local word-level tokenizer
+from step_timing import StepTimer  # noqa: E402
+
+from trainer_step import device_name, git_commit, options, release  # noqa: E402 - benchmarks/trainer_step.py
+
+TRAINERS = {"stock": (DPOTrainer, DPOConfig), "prefixflow": (PrefixFlowDPOTrainer, PrefixFlowDPOConfig)}
+
+
+def pairs(count: int, prompt: int, response: int, seed: int = 0) -> Dataset:
+    """`count` pairs: a prompt of `prompt` words, chosen and rejected of `response` words, different from the first."""
+    rng = random.Random(seed)
+    words = synthetic.TEMPLATE + synthetic.NUMBERS
+
+    def text(length: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(length))
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(count):
+        first = rng.sample(synthetic.NUMBERS, 2)
+        rows["prompt"].append(text(prompt))
+        rows["chosen"].append(" ".join([first[0], text(response - 1)]).strip())
+        rows["rejected"].append(" ".join([first[1], text(response - 1)]).strip())
+    return Dataset.from_dict(rows)
+
+
+def build(args, tokenizer) -> torch.nn.Module:
+    if args.tiny:
+        model = synthetic.make_model(tokenizer, hidden=64, layers=2)
+        if args.lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    else:
+        from speed import build as build_shape  # benchmarks/speed.py
+
+        model = build_shape(args.model, prefixflow=False, lora=args.lora)
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return model
+
+
+def run(name: str, prompt: int, response: int, args) -> dict | None:
+    """One trainer at one split: step seconds, peak memory, logged metrics; None when out of device memory."""
+    tokenizer = synthetic.make_tokenizer()
+    trainer_class, config_class = TRAINERS[name]
+    steps = args.warmup + args.steps
+    config = (config_class if name == "prefixflow" else DPOConfig)(
+        **args.config, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=args.batch,
+        max_length=None, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), learning_rate=1e-6,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = None
+    try:
+        model = build(args, tokenizer)
+        ref_model = None if args.lora else build(args, tokenizer)  # a random model has no checkpoint to reload
+        trainer = trainer_class(model=model, ref_model=ref_model, args=config, processing_class=tokenizer,
+                                train_dataset=pairs(args.batch * steps, prompt, response))
+        trainer.remove_callback(PrinterCallback)
+        timer = StepTimer()
+        trainer.add_callback(timer)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    except torch.OutOfMemoryError:
+        if trainer is not None:
+            release(trainer)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    result = {"steps": timer.times[args.warmup:], "warmup_steps": timer.times[:args.warmup],
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+              "fallback_pairs": sum(getattr(trainer, "_fallbacks", {}).values()),
+              "losses": [log["loss"] for log in logs], "shape": ModelShape.from_config(trainer.model.config)}
+    release(trainer)
+    return result
+
+
+def measure(prompt: int, response: int, args, commit: str) -> dict:
+    runs = {name: run(name, prompt, response, args) for name in TRAINERS}
+    row = {"model": "tiny" if args.tiny else args.model, "lora": args.lora, "P": prompt, "S": response,
+           "pairs_per_microbatch": args.batch, "out_of_memory": [n for n, r in runs.items() if r is None]}
+    for name, result in runs.items():
+        if result is not None:
+            row[f"{name}_s"] = round(statistics.median(result["steps"]), 4)
+            row[f"{name}_steps_s"] = [round(t, 4) for t in result["steps"]]
+            row[f"{name}_warmup_steps_s"] = [round(t, 4) for t in result["warmup_steps"]]
+            row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
+            row[f"{name}_losses"] = result["losses"]
+            shape = result["shape"]
+    stock, pf = runs["stock"], runs["prefixflow"]
+    if stock and pf:
+        row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3)
+        if stock["peak_gib"] is not None:
+            row["peak_ratio"] = round(pf["peak_gib"] / stock["peak_gib"], 3)
+    if pf:
+        row["fallback_pairs"] = pf["fallback_pairs"]
+    if stock or pf:
+        row["flop_ratio"] = round(shape.full_sequence(prompt, [response] * 2) / shape.prefixflow(prompt, [response] * 2),
+                                  3)
+    row.update(config=args.config, warmup=args.warmup, timed_steps=args.steps, gpu=device_name(),
+               torch=torch.__version__, transformers=transformers.__version__, commit=commit,
+               date=datetime.date.today().isoformat())
+    return row
+
+
+def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dpo_step.json").write_text(json.dumps(rows, indent=1))
+    first = rows[0]
+    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
+             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+             "| model | LoRA | P / S | pairs per microbatch | DPOTrainer s | PrefixFlow s | speedup | FLOP ratio "
+             "| peak GiB stock / PF | out of memory |", "| --- " * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['lora']} | {r['P']} / {r['S']} | {r['pairs_per_microbatch']} | "
+                     f"{r.get('stock_s', '-')} | {r.get('prefixflow_s', '-')} | {r.get('speedup', '-')}x | "
+                     f"{r.get('flop_ratio', '-')}x | {r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')} | "
+                     f"{', '.join(r['out_of_memory']) or '-'} |")
+    (out / "dpo_step.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/speed.py")
+    parser.add_argument("--splits", default="16384/64,4096/512", help="P/S,... prompt and response tokens")
+    parser.add_argument("--batch", type=int, default=1, help="per_device_train_batch_size (pairs)")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA (r=16, all linear layers)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--config", default="", type=options, help="KEY=VALUE,... DPOConfig fields for both")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
+    args = parser.parse_args(argv)
+    splits = [tuple(map(int, split.split("/"))) for split in args.splits.split(",")]
+    if args.tiny:
+        splits, args.steps = [(min(p, 96), min(s, 8)) for p, s in splits], min(args.steps, 2)
+    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_dpo_step")
+    command = "python benchmarks/dpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    commit, rows = git_commit(), []
+    for prompt, response in splits:
+        rows.append(measure(prompt, response, args, commit))
+        print(json.dumps(rows[-1]), flush=True)
+        write(rows, out, command)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
