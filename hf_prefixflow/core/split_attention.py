@@ -163,7 +163,7 @@ def in_layout(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """`x` laid out with `stride`, copied only when it lies otherwise. A saved-tensor hook may hand a kernel's output
     back in another layout (torch's `save_on_cpu(pin_memory=True)` returns it contiguous), and cuDNN's attention
     backward returns wrong gradients for an output that does not lie as its forward left it
-    (benchmarks/attention_layout.py)."""
+    (benchmarks/results/2026-12-02_attention_layout/attention_layout.py)."""
     if x.stride() == tuple(stride):
         return x
     return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
