@@ -1,14 +1,14 @@
-"""Gather `benchmarks/memory.py` runs into the table the README reads: `benchmarks/results/memory_like_for_like.json`.
+"""Gather `benchmarks/memory.py` runs into the table docs/benchmarks.md shows: `benchmarks/results/memory_like_for_like.json`.
 
-    python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json --readme
+    python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json --summary
     python benchmarks/memory_gather.py --from-log RUN/frontier.log --meta commit=abc,cap_gib=24,... --out RUN/x.json
 
 Rows come from the files' fixed rows (later files win for the same model, P, S, policy, offload mode and extra
 recompute); the frontier searches from every file's `frontier` list. Each row gets the frontier of the proportional
 search at its own P/S, policy, offload mode and extra recompute, where one was run: the longest trainable P + S of
 PrefixFlow from the latest file that searched it, of the baseline the longest any file found (the ratio never
-flatters PrefixFlow). Every row and search keeps the file it came from in `source`. `--readme` also prints the
-README's memory table.
+flatters PrefixFlow). Every row and search keeps the file it came from in `source`. `--summary` also prints the
+docs/benchmarks.md's memory summary.
 
 `--from-log` rebuilds the frontier searches of a `memory.py` run whose report was never written (its command's time
 limit stopped it mid-search) from the trials its log printed; `--meta` supplies what the log does not say (commit,
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("files", nargs="*", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path("benchmarks/results/memory_like_for_like.json"))
-    parser.add_argument("--readme", action="store_true", help="also print the README's memory table")
+    parser.add_argument("--summary", action="store_true", help="also print docs/benchmarks.md's memory summary")
     parser.add_argument("--from-log", type=pathlib.Path, default=None, help="a memory.py log to rebuild searches from")
     parser.add_argument("--meta", default="", help="KEY=VALUE,... for --from-log: model, proportions, cap_gib, "
                                                    "resolution, gpu, commit (scoring, extra_recompute optional)")
@@ -121,24 +121,27 @@ def main() -> None:
     args.out.write_text(json.dumps({"sources": [str(p) for p in args.files], "rows": table, "frontier": searches},
                                    indent=1))
     print(f"{len(table)} rows, {len(searches)} searches -> {args.out}")
-    if args.readme:
-        print(readme_table(table))
+    if args.summary:
+        print(summary_table(table))
 
 
-# The README's memory table: (model, policy, offload mode, extra recompute) at 10k/2k, N=16.
-README_ROWS = (("qwen3-1.7b", "none", "on", "prefix layers (share 1)"), ("qwen3-1.7b", "none", "on", "none"),
-               ("qwen3-1.7b", "none", "kv", "prefix layers (share 1)"), ("qwen3-1.7b", "full", "kv", "none"),
-               ("qwen3-1.7b", "selective", "kv", "none"), ("llama3-8b", "none", "kv", "prefix layers (share 1)"),
-               ("llama3-8b", "full", "kv", "none"))
+# docs/benchmarks.md's memory summary: (model, policy, offload mode, extra recompute) at 10k/2k, N=16.
+SUMMARY_ROWS = (("qwen3-1.7b", "none", "on", "prefix layers (share 1)"), ("qwen3-1.7b", "none", "on", "none"),
+                ("qwen3-1.7b", "none", "kv", "prefix layers (share 1)"), ("qwen3-1.7b", "full", "off", "none"),
+                ("qwen3-1.7b", "full", "on", "none"), ("qwen3-1.7b", "full", "kv", "none"),
+                ("qwen3-1.7b", "selective", "off", "none"), ("qwen3-1.7b", "selective", "kv", "none"),
+                ("llama3-8b", "none", "kv", "prefix layers (share 1)"), ("llama3-8b", "full", "off", "none"),
+                ("llama3-8b", "full", "kv", "none"))
 MODELS = {"qwen3-1.7b": "Qwen3-1.7B", "llama3-8b": "Llama3-8B"}
-OFFLOAD = {"on": "`offload`", "kv": "`offload_kv`"}
+OFFLOAD = {"off": "prompt on the device", "on": "`offload`", "kv": "`offload_kv`"}
 
 
-def readme_table(rows: list[dict]) -> str:
-    """The README's memory table, rendered from the gathered rows (tests/test_readme.py checks the README holds it)."""
+def summary_table(rows: list[dict]) -> str:
+    """docs/benchmarks.md's memory summary, rendered from the gathered rows (tests/test_readme.py checks the page
+    holds it): PrefixFlow's settings above the baseline's peak included."""
     lines = ["| shape, checkpointing (both sides) | PrefixFlow | Phase-B peak GiB | longest P + S | step time |",
              "| --- | --- | --- | --- | --- |"]
-    for model, policy, offload, recompute in README_ROWS:
+    for model, policy, offload, recompute in SUMMARY_ROWS:
         row = next(r for r in rows if (r["model"], r["P"], r["S"], r["policy"], mode(r), r["extra_recompute"])
                    == (model, 10240, 2048, policy, offload, recompute))
         extra = "" if recompute == "none" else ", prompt recomputed"
