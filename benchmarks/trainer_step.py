@@ -15,7 +15,8 @@ The grid is the product of `--models`, `--ratios` (P / (P + S) with S = `--compl
 (per_device_train_batch_size; gradient accumulation makes one optimizer step of each generation batch),
 `--checkpointing` (on, off) and `--generation` ("fixed": `_generate_single_turn` returns fixed random completions
 of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.planning.flops`' FLOP ratio
-of the step's groups (Phase C included), `amdahl_cap` the speedup if the step's non-generation part took its
+of the step's groups (Phase C included), `compute_ratio` the same with recomputation counted (the stock trainer's
+checkpointed layers, PrefixFlow's recomputed prompt and, where it chose to, completions), `amdahl_cap` the speedup if the step's non-generation part took its
 FLOP-ideal time (stock generation time measured around `_generate_single_turn`). Rows go to `trainer_step.json` and
 `.md` in `--out` after each one. `--profile` runs the grid's first point once per trainer under the torch profiler
 instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
@@ -173,6 +174,22 @@ def step_flop_ratio(model: torch.nn.Module, completion: float, n: int):
     return lambda prefix: shape.full_sequence(prefix, [completion] * n) / shape.prefixflow(prefix, [completion] * n)
 
 
+def compute_ratio(config, prefix: int, completion: float, n: int, checkpointing: bool,
+                  suffix_recomputed: bool) -> float | None:
+    """The step's compute ratio with recomputation counted (attention-only models; None for hybrids): under
+    checkpointing the stock trainer runs every layer's forward twice; PrefixFlow recomputes the prompt's layers in
+    Phase C and its completions' only where `prefixflow_suffix_checkpointing` chose to (else it keeps them)."""
+    text = config.get_text_config()
+    if any(kind not in ATTENTION_KINDS for kind in getattr(text, "layer_types", None) or ()):
+        return None
+    shape, rows = ModelShape.from_config(text), [completion] * n
+    stock = shape.full_sequence(prefix, rows) + (shape.full_sequence(prefix, rows, train=False) - sum(
+        shape._head(s) for s in rows) / 3 if checkpointing else 0.0)
+    prompt, waves = shape._tokens(prefix, 0), sum(shape._tokens(s, prefix) for s in rows)
+    recomputed = (prompt + (waves if suffix_recomputed else 0.0)) / 3 if checkpointing else 0.0
+    return stock / (shape.prefixflow(prefix, rows) + recomputed)
+
+
 def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
     """Train `trainer`: whole-step and generation seconds after `warmup` steps, the peak device memory, the rows
     sent to the plain path; and TRL's logged steps."""
@@ -277,6 +294,9 @@ def measure(point: Point, args, commit: str) -> dict:
         row["run_microbatches"], row["fallback_rows"] = pf["run_microbatches"], pf["fallback_rows"]
         row["suffix_recomputed"] = pf["suffix_recomputed"]  # prefixflow_suffix_checkpointing's choice (1: recomputed)
         row["offload_modes"] = pf["offload_modes"]  # the default memory rule's settings (hf_prefixflow/defaults.py)
+        ratio = compute_ratio(any_run["config"], prefix, completion, args.n, point.checkpointing,
+                              bool(pf["suffix_recomputed"]))
+        row["compute_ratio"] = None if ratio is None else round(ratio, 3)  # flop_ratio with recomputation counted
     row.update(config=args.config, prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
                gpu=device_name(), torch=torch.__version__, transformers=transformers.__version__, commit=commit,
                date=datetime.date.today().isoformat())
