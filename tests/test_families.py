@@ -14,7 +14,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_prefixflow.core import states
-from hf_prefixflow.models import probe, structure
+from hf_prefixflow.models import probe, structure, tiny as tiny_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -43,6 +43,7 @@ CASES = [
     ("jamba", {}, families.REFUSED, ["JambaMambaMixer", "zero state"]),  # Mamba1: its scan never continues
     ("minimax", {}, families.REFUSED, ["MiniMaxForCausalLM", "cache API"]),
     ("falcon", {}, families.REFUSED, ["FalconForCausalLM", "AttentionInterface"]),
+    ("xglm", {}, families.REFUSED, ["XGLMForCausalLM", "AttentionInterface"]),  # its float64 mask fill builds
     ("dory", {}, families.REFUSED, ["ran more than once in one forward"]),  # looped layers
 ]
 
@@ -77,3 +78,11 @@ def test_the_committed_sweep_has_no_accepted_and_wrong_family():
     rows = json.loads((ROOT / "benchmarks" / "results" / "families" / "families.json").read_text())["families"]
     assert len(rows) >= len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert [r["model_type"] for r in rows if r["outcome"] in families.BUGS] == []
+
+
+def test_broken_without_the_float64_fill_xglm_has_no_tiny_copy(monkeypatch):
+    """The broken variant: where `float64_throughout` leaves `torch.full`'s default dtype alone, XGLM's mask fill of
+    float64's minimum overflows float32 and the family reads as having no tiny copy instead of its real refusal."""
+    monkeypatch.setattr(tiny_copy, "_beyond_float32", lambda value: False)
+    found, detail, _ = run("xglm", {})
+    assert found == families.NO_TINY and "overflow" in detail

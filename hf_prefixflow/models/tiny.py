@@ -326,7 +326,15 @@ class float64_throughout(TorchFunctionMode):
                 args = tuple(torch.float64 if a in _NARROW else a for a in args)
             if kwargs.get("dtype") in _NARROW:
                 kwargs = {**kwargs, "dtype": torch.float64}
+        elif func is torch.full and kwargs.get("dtype") is None and _beyond_float32(args[1] if len(args) > 1
+                                                                                      else kwargs.get("fill_value")):
+            # a mask fill of float64's own minimum (XGLM) cannot take the default float32
+            kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
+
+
+def _beyond_float32(value) -> bool:
+    return isinstance(value, float) and abs(value) > torch.finfo(torch.float32).max
 
 
 def recompute_in_float64(model: torch.nn.Module) -> None:
