@@ -44,3 +44,52 @@ def test_the_pass_floor_sends_short_prompts_to_the_plain_path():
     assert shape.pays(256, [256] * 16, rows_per_pass=4, floor_tokens=PASS_FLOOR_TOKENS)
     assert shape.pays(4864, [256] * 16, rows_per_pass=16, floor_tokens=PASS_FLOOR_TOKENS)
     assert shape.pays(256, [256] * 16, rows_per_pass=16)  # on a CPU (no floor) the FLOP bound decides
+
+
+def test_the_pass_floor_is_time_per_layer_so_a_wider_layer_reaches_it_with_fewer_tokens():
+    """The floor is launch and host time per layer: the same for the Llama3-8B shape's layers, each four times
+    Qwen3-1.7B's work per token, so a pass of 2,000 Llama3-8B tokens is above it where 2,000 Qwen3 tokens are not."""
+    from hf_prefixflow.planning.flops import FLOOR_LAYER_WEIGHTS, PASS_FLOOR_TOKENS
+
+    qwen, llama = ModelShape(**QWEN3_1_7B), ModelShape.from_config(LLAMA3_8B)
+    assert qwen.layer_weights == FLOOR_LAYER_WEIGHTS
+    for shape, above in ((qwen, False), (llama, True)):
+        floored = shape.step_bound(2000, [2000], None, PASS_FLOOR_TOKENS)
+        assert (floored == pytest.approx(shape.step_bound(2000, [2000]))) is above
+
+
+def test_no_committed_run_beats_its_cost_model_bound():
+    """A measured speedup above the cost model's bound means the bound (or the baseline) is wrong: every whole-step
+    row of the committed runs that shared its prefix stays within `step_bound`, the floor included."""
+    import json
+    import pathlib
+
+    from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS
+
+    runs = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-05_default_swap"
+    shapes = {"qwen3-1.7b": ModelShape(**QWEN3_1_7B), "llama3-8b": ModelShape.from_config(LLAMA3_8B)}
+    checked = 0
+    for path in sorted(runs.glob("*_call*.json")):
+        for row in json.loads(path.read_text()):
+            if row.get("fallback_rows") or row.get("fallback_pairs") or row.get("speedup") is None:
+                continue
+            shape, rows = shapes[row["model"]], [row["S"]] * row.get("N", 2)
+            bound = shape.step_bound(row["P"], rows, row.get("batch"), PASS_FLOOR_TOKENS)
+            assert row["speedup"] <= bound, (path.name, row["P"], row["S"], row["speedup"], bound)
+            checked += 1
+    assert checked == 18
+
+
+def test_broken_a_floor_in_the_models_own_tokens_is_beaten_by_the_dpo_run(monkeypatch):
+    """The broken variant: a floor counted in tokens of the model's own (wider) layers bounds the Llama3-8B DPO pair
+    at 16,384/64 below the speedup its run measured, so the check above fails on it."""
+    import json
+    import pathlib
+
+    from hf_prefixflow.planning import flops
+
+    shape = ModelShape.from_config(LLAMA3_8B)
+    monkeypatch.setattr(flops, "FLOOR_LAYER_WEIGHTS", shape.layer_weights)
+    runs = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-05_default_swap"
+    measured = max(json.loads((runs / f"dpo_step_call{c}.json").read_text())[0]["speedup"] for c in (1, 2))
+    assert measured > shape.step_bound(16384, [64, 64], None, flops.PASS_FLOOR_TOKENS)

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 # realises most of the bound on GPU, not all of it (docs/benchmarks.md, docs/limits.md).
 MIN_SPEEDUP = 1.1
 # The least work, in tokens, that one forward and backward pass costs on a GPU however few tokens it carries (per-layer
-# launches and Python, TRL's per-microbatch bookkeeping). Calibrated from trainer steps (docs/benchmarks.md#trainer).
+# launches and Python, TRL's per-microbatch bookkeeping). Calibrated from trainer steps (docs/benchmarks.md#trainer)
+# on the Qwen3-1.7B shape. That cost is time per layer, the same for a wider layer, so it counts as this many tokens
+# of a Qwen3-1.7B layer's matmul work (`FLOOR_LAYER_WEIGHTS`) in each layer of any model: fewer tokens of a wider one.
 PASS_FLOOR_TOKENS = 7500
+FLOOR_LAYER_WEIGHTS = 2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144
 
 
 @dataclass(frozen=True)
@@ -112,12 +115,13 @@ class ModelShape:
         Args:
             prefix, suffixes: as in `full_sequence`.
             rows_per_pass: rows per plain-path microbatch; None: all rows in one.
-            floor_tokens: the least work per pass, in tokens (`PASS_FLOOR_TOKENS` on a GPU); 0: `bound`.
+            floor_tokens: the least work per pass, in tokens of the calibration shape's layers (`PASS_FLOOR_TOKENS`
+                on a GPU); 0: `bound`.
 
         Returns:
             The ratio of the plain path's FLOPs to PrefixFlow's, each pass raised to the floor.
         """
-        floor = floor_tokens * self._tokens(1, 0)
+        floor = floor_tokens * 6 * FLOOR_LAYER_WEIGHTS * self.layers
         per = rows_per_pass or len(suffixes)
         plain = sum(max(floor, self.full_sequence(prefix, suffixes[i:i + per])) for i in range(0, len(suffixes), per))
         waves = sum(self._tokens(s, prefix) + self._head(s) for s in suffixes)
