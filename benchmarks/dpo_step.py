@@ -13,13 +13,13 @@ PEFT adapter disabled under `--lora`, a second copy of the model otherwise. A st
 C and the optimizer step. Each row: the median of `--steps` steps after `--warmup`, each side's peak allocated
 memory over its run, the pairs PrefixFlow sent to the plain path, and the FLOP ratio of the policy pass
 (`planning.flops`, the two rows of a pair against the prompt once and the two responses). A side that runs out
-of device memory is listed in `out_of_memory`. Rows go to `dpo_step.json` and `.md` in `--out` after each point.
+of device memory is listed in `out_of_memory`. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
+`--out` after each point (`harness.RunFolder`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import pathlib
@@ -29,7 +29,6 @@ import sys
 import tempfile
 
 import torch
-import transformers
 from datasets import Dataset
 from transformers import PrinterCallback
 from trl import DPOConfig, DPOTrainer
@@ -41,7 +40,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import synthetic  # noqa: E402 - a local word-level tokenizer
 from step_timing import StepTimer  # noqa: E402
 
-from trainer_step import device_name, git_commit, options, release  # noqa: E402 - benchmarks/trainer_step.py
+import harness  # noqa: E402 - benchmarks/harness.py
+from trainer_step import release  # noqa: E402 - benchmarks/trainer_step.py
 
 TRAINERS = {"stock": (DPOTrainer, DPOConfig), "prefixflow": (PrefixFlowDPOTrainer, PrefixFlowDPOConfig)}
 
@@ -96,8 +96,7 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
         trainer.remove_callback(PrinterCallback)
         timer = StepTimer()
         trainer.add_callback(timer)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        harness.reset_peak()
         trainer.train()
     except torch.OutOfMemoryError:
         if trainer is not None:
@@ -107,14 +106,14 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
         return None
     logs = [log for log in trainer.state.log_history if "loss" in log]
     result = {"steps": timer.times[args.warmup:], "warmup_steps": timer.times[:args.warmup],
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+              "peak_gib": harness.peak_gib(),
               "fallback_pairs": sum(getattr(trainer, "_fallbacks", {}).values()),
               "losses": [log["loss"] for log in logs], "shape": ModelShape.from_config(trainer.model.config)}
     release(trainer)
     return result
 
 
-def measure(prompt: int, response: int, args, commit: str) -> dict:
+def measure(prompt: int, response: int, args, environment: dict) -> dict:
     runs = {name: run(name, prompt, response, args) for name in TRAINERS}
     row = {"model": "tiny" if args.tiny else args.model, "lora": args.lora, "P": prompt, "S": response,
            "pairs_per_microbatch": args.batch, "out_of_memory": [n for n, r in runs.items() if r is None]}
@@ -134,20 +133,15 @@ def measure(prompt: int, response: int, args, commit: str) -> dict:
     if pf:
         row["fallback_pairs"] = pf["fallback_pairs"]
     if stock or pf:
-        row["flop_ratio"] = round(shape.full_sequence(prompt, [response] * 2) / shape.prefixflow(prompt, [response] * 2),
-                                  3)
-    row.update(config=args.config, warmup=args.warmup, timed_steps=args.steps, gpu=device_name(),
-               torch=torch.__version__, transformers=transformers.__version__, commit=commit,
-               date=datetime.date.today().isoformat())
+        rows = [response] * 2
+        row["flop_ratio"] = round(shape.full_sequence(prompt, rows) / shape.prefixflow(prompt, rows), 3)
+    row.update(config=args.config, warmup=args.warmup, timed_steps=args.steps, **environment)
     return row
 
 
-def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dpo_step.json").write_text(json.dumps(rows, indent=1))
+def table(rows: list[dict]) -> list[str]:
     first = rows[0]
-    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
-             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+    lines = [f"Median of {first['timed_steps']} steps after {first['warmup']}.", "",
              "| model | LoRA | P / S | pairs per microbatch | DPOTrainer s | PrefixFlow s | speedup | FLOP ratio "
              "| peak GiB stock / PF | out of memory |", "| --- " * 10 + "|"]
     for r in rows:
@@ -155,7 +149,7 @@ def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
                      f"{r.get('stock_s', '-')} | {r.get('prefixflow_s', '-')} | {r.get('speedup', '-')}x | "
                      f"{r.get('flop_ratio', '-')}x | {r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')} | "
                      f"{', '.join(r['out_of_memory']) or '-'} |")
-    (out / "dpo_step.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -166,20 +160,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA (r=16, all linear layers)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--config", default="", type=options, help="KEY=VALUE,... DPOConfig fields for both")
+    parser.add_argument("--config", default="", type=harness.options, help="KEY=VALUE,... DPOConfig fields for both")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
     args = parser.parse_args(argv)
     splits = [tuple(map(int, split.split("/"))) for split in args.splits.split(",")]
     if args.tiny:
         splits, args.steps = [(min(p, 96), min(s, 8)) for p, s in splits], min(args.steps, 2)
-    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_dpo_step")
-    command = "python benchmarks/dpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    commit, rows = git_commit(), []
+    run, rows = harness.RunFolder("dpo_step", args.out, argv=argv), []
     for prompt, response in splits:
-        rows.append(measure(prompt, response, args, commit))
+        rows.append(measure(prompt, response, args, run.environment))
         print(json.dumps(rows[-1]), flush=True)
-        write(rows, out, command)
+        run.write(rows, table(rows))
     return rows
 
 

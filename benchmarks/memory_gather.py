@@ -1,4 +1,4 @@
-"""Gather `benchmarks/memory.py` runs into the table docs/benchmarks.md shows: `benchmarks/results/memory_like_for_like.json`.
+"""Gather `benchmarks/memory.py` runs into `benchmarks/results/memory_like_for_like.json`, docs/benchmarks.md's table.
 
     python benchmarks/memory_gather.py RUN/fixed_replanned.json RUN/frontier.json RUN/frontier_full_kv.json --summary
     python benchmarks/memory_gather.py --from-log RUN/frontier.log --meta commit=abc,cap_gib=24,... --out RUN/x.json

@@ -14,11 +14,12 @@ optimizer step. Each row: the median of `--steps` steps after `--warmup`.
 The grid is the product of `--models`, `--ratios` (P / (P + S) with S = `--completion`), `--batches`
 (per_device_train_batch_size; gradient accumulation makes one optimizer step of each generation batch),
 `--checkpointing` (on, off) and `--generation` ("fixed": `_generate_single_turn` returns fixed random completions
-of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.planning.flops`' FLOP ratio
-of the step's groups (Phase C included), `compute_ratio` the same with recomputation counted (the stock trainer's
-checkpointed layers, PrefixFlow's recomputed prompt and, where it chose to, completions), `amdahl_cap` the speedup if the step's non-generation part took its
-FLOP-ideal time (stock generation time measured around `_generate_single_turn`). Rows go to `trainer_step.json` and
-`.md` in `--out` after each one. `--profile` runs the grid's first point once per trainer under the torch profiler
+of S tokens; "generate": TRL's transformers generation). Per row: `flop_ratio` is `hf_prefixflow.planning.flops`'
+FLOP ratio of the step's groups (Phase C included), `compute_ratio` the same with recomputation counted (the stock
+trainer's checkpointed layers, PrefixFlow's recomputed prompt and, where it chose to, completions), `amdahl_cap` the
+speedup if the step's non-generation part took its FLOP-ideal time (stock generation time measured around
+`_generate_single_turn`). Rows go to `trainer_step.json`, `.md` and a generated `MANIFEST.md` in `--out` after each
+one (`harness.RunFolder`). `--profile` runs the grid's first point once per trainer under the torch profiler
 instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
 time the GPU was busy within it (the union of kernels, copies and memsets); a low share is host-bound time.
 `--prefixflow-config KEY=VALUE,...` sets `PrefixFlowGRPOConfig` fields for the PrefixFlow trainer only, e.g.
@@ -47,9 +48,7 @@ The grid flags narrow it, to fit a 10-minute device call (`--deadline-s` stops b
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import datetime
 import gc
 import itertools
 import json
@@ -57,14 +56,12 @@ import math
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
-import transformers
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -74,6 +71,7 @@ from hf_prefixflow import (PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, PrefixFl
 from hf_prefixflow.planning.flops import ModelShape
 from hf_prefixflow.core.scheduler import PrefixGroup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import harness  # noqa: E402 - benchmarks/harness.py: the run folder, environment and peak memory
 import synthetic  # noqa: E402 - the examples' synthetic task and step timing
 from step_timing import StepTimer, sync, timed_generation  # noqa: E402
 
@@ -195,12 +193,11 @@ def train_measured(trainer, warmup: int) -> tuple[dict, list[dict]]:
     sent to the plain path; and TRL's logged steps."""
     timer, generation = StepTimer(), timed_generation(trainer)
     trainer.add_callback(timer)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    harness.reset_peak()
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"steps": timer.times[warmup:], "warmup_steps": timer.times[:warmup], "generation": generation[warmup:],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+            "peak_gib": harness.peak_gib(),
             "fallback_rows": sum(getattr(trainer, "_fallbacks", {}).values())}, logs  # rows, warm-up included
 
 
@@ -259,7 +256,7 @@ def release(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(point: Point, args, commit: str) -> dict:
+def measure(point: Point, args, environment: dict) -> dict:
     runs = {name: run(name, point, args) for name in args.trainers}
     out_of_memory = [name for name, result in runs.items() if result is None]
     runs = {name: result for name, result in runs.items() if result is not None}
@@ -298,40 +295,24 @@ def measure(point: Point, args, commit: str) -> dict:
                               bool(pf["suffix_recomputed"]))
         row["compute_ratio"] = None if ratio is None else round(ratio, 3)  # flop_ratio with recomputation counted
     row.update(config=args.config, prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
-               gpu=device_name(), torch=torch.__version__, transformers=transformers.__version__, commit=commit,
-               date=datetime.date.today().isoformat())
+               **environment)
     return row
 
 
-def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=pathlib.Path(__file__).parent)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def write(rows: list[dict], out: pathlib.Path, tag: str, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{tag}.json").write_text(json.dumps(rows, indent=1))
+def table(rows: list[dict]) -> list[str]:
     first = rows[0]
-    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
-             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+    lines = [f"Median of {first['timed_steps']} steps after {first['warmup']}.", "",
              "| model | P / S | N | batch | checkpointing | generation | stock s | PrefixFlow s | speedup | FLOP ratio "
-             "| Amdahl cap | microbatches per run | peak GiB stock / PF | settings |", "| --- " * 14 + "|"]
+             "| compute ratio | Amdahl cap | microbatches per run | peak GiB stock / PF | settings |",
+             "| --- " * 15 + "|"]
     for r in rows:
         peaks = f"{r.get('stock_peak_gib')} / {r.get('prefixflow_peak_gib')}"
         lines.append(f"| {r['model']} | {r['P']} / {r['S_mean']} | {r['N']} | {r['batch']} | "
                      f"{'on' if r['checkpointing'] else 'off'} | {r['generation']} | {r.get('stock_s', '-')} | "
                      f"{r.get('prefixflow_s', '-')} | {r['speedup'] or '-'}x | {r['flop_ratio']}x | "
-                     f"{r.get('amdahl_cap', '-')}x | {r.get('run_microbatches', '-')} | {peaks} | "
-                     f"{settings(r)} |")
-    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+                     f"{r.get('compute_ratio') or '-'}x | {r.get('amdahl_cap', '-')}x | "
+                     f"{r.get('run_microbatches', '-')} | {peaks} | {settings(r)} |")
+    return lines
 
 
 def settings(row: dict) -> str:
@@ -479,7 +460,7 @@ def profile_markdown(heading: str, rows: list[dict], ops: dict[str, list[dict]])
     return "\n".join(lines) + "\n"
 
 
-def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
+def profile(point: Point, args, out: pathlib.Path, environment: dict) -> None:
     rows, ops = [], {}
     for name in args.trainers:
         trainer = make_trainer(name, point, args, args.warmup + 1)
@@ -487,29 +468,14 @@ def profile(point: Point, args, out: pathlib.Path, commit: str) -> None:
         release(trainer)
         rows += [{"trainer": name, **r} for r in phases]
     meta = {"point": vars(point), "P": prefix_length(point.ratio, point.completion), "S": point.completion, "N": args.n,
-            "prefixflow_config": args.prefixflow_config, "gpu": device_name(), "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "commit": commit, "date": datetime.date.today().isoformat()}
+            "prefixflow_config": args.prefixflow_config, **environment}
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
                                                               indent=1))
     text = profile_markdown(f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, "
-                            f"N={meta['N']}) on {meta['gpu']}, commit {commit}.", rows, ops)
+                            f"N={meta['N']}) on {meta['gpu']}, commit {meta['commit']}.", rows, ops)
     (out / "trainer_step_profile.md").write_text(text)
     print(text, flush=True)
-
-
-def options(text: str) -> dict:
-    """`KEY=VALUE,...` with VALUE as a Python literal where it parses as one (true/false as booleans)."""
-    parsed = {}
-    for item in filter(None, text.split(",")):
-        key, value = item.split("=", 1)
-        value = {"true": "True", "false": "False"}.get(value.lower(), value)
-        try:
-            parsed[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed[key] = value
-    return parsed
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -529,15 +495,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--family", default="grpo", choices=sorted(FAMILIES),
                         help="grpo: GRPOTrainer and PrefixFlowGRPOTrainer; rloo: RLOOTrainer and PrefixFlowRLOOTrainer")
     parser.add_argument("--trainers", default="stock,prefixflow")
-    parser.add_argument("--prefixflow-config", default="", type=options,
+    parser.add_argument("--prefixflow-config", default="", type=harness.options,
                         help="KEY=VALUE,... PrefixFlowGRPOConfig fields for the PrefixFlow trainer only, e.g. "
                              "prefixflow_merge_microbatches=1 or torch_compile=true (default: a plain GRPOConfig)")
-    parser.add_argument("--config", default="", type=options,
+    parser.add_argument("--config", default="", type=harness.options,
                         help="KEY=VALUE,... GRPOConfig fields for both trainers, e.g. torch_compile=true")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no grid point after this many seconds")
     parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
-    parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<tag>")
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
@@ -550,8 +515,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.models = "tiny"
         args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= args.n) or "2"
     args.trainers = args.trainers.split(",")
-    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_{args.tag}")
-    commit = args.commit or git_commit()
+    run = harness.RunFolder("trainer_step", args.out, args.tag, argv)
+    out = run.path
     if args.splits:  # (P / (P + S), S) per split
         splits = [(p / (p + s), s) for p, s in (map(int, split.split("/")) for split in args.splits.split(","))]
     else:
@@ -562,19 +527,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.models.split(","), splits, args.batches.split(","), args.checkpointing.split(","),
         args.generation.split(","))]
     if args.profile:
-        profile(points[0], args, out, commit)
+        profile(points[0], args, out, run.environment)
         return []
-    command = "python benchmarks/trainer_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     start, rows = time.perf_counter(), []
     for point in points:
         if args.deadline_s is not None and time.perf_counter() - start > args.deadline_s:
             print(f"deadline: {len(points) - len(rows)} points not run", flush=True)
             break
-        row = measure(point, args, commit)
+        row = measure(point, args, run.environment)
         print(json.dumps(row), flush=True)
         if "P" in row:  # a point where every trainer ran out of memory has no row
             rows.append(row)
-            write(rows, out, args.tag, command)
+            run.write(rows, table(rows))
     return rows
 
 

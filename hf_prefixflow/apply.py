@@ -36,7 +36,8 @@ def apply_prefixflow(
         model: the model to train. Checked once, at the first call: token mixers other than attention, attention
             outside transformers' AttentionInterface and dynamic RoPE are refused (`PrefixFlowError`), and a tiny
             float64 copy of the architecture trains one group both ways (`models.probe`); an image-text
-            model's copy also trains an image prompt, whose refusal is kept for image prompts (`models.multimodal.check`).
+            model's copy also trains an image prompt, whose refusal is kept for image prompts
+            (`models.multimodal.check`).
         config: the settings (`PrefixFlowConfig`); replaces the stored one. Default: keep the stored one.
         offload, offload_kv, suffix_checkpointing, prefix_recompute, kv_grad_dtype: single settings of
             `PrefixFlowConfig` applied on top; `None` keeps the current value of each.

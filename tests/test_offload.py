@@ -420,7 +420,8 @@ def test_a_failed_pack_still_returns_its_buffer(monkeypatch):
 
 
 def test_a_layer_replayed_twice_is_refused():
-    replay = hf_prefixflow.core.recompute.AttentionReplay({0}, hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu")))
+    offload = hf_prefixflow.core.offload.PrefixOffload(torch.device("cpu"))
+    replay = hf_prefixflow.core.recompute.AttentionReplay({0}, offload)
     out, lse = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4)
     replay.keep(0, out, lse, (), None)
     assert torch.equal(replay.take(0)[0], out)

@@ -62,7 +62,8 @@ def test_streamed_kv_leaves_no_kv_on_the_device_between_waves(monkeypatch):
     group = random_group(gen, prefix=(12, 16), n=(3, 3))
     loads = []
     load = hf_prefixflow.core.offload.PrefixOffload.load
-    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "load", lambda self, p: loads.append(p) or load(self, p))
+    monkeypatch.setattr(hf_prefixflow.core.offload.PrefixOffload, "load",
+                        lambda self, p: loads.append(p) or load(self, p))
     with hf_prefixflow.prefix_group(model, group.prefix) as g:
         streamed = [t for t in g.cache.tensors() if isinstance(t, StreamedTensor)]
         assert len(streamed) == 2 * model.config.num_hidden_layers

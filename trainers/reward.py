@@ -52,8 +52,8 @@ class PrefixFlowRewardConfig(RewardConfig):
         default=MIN_PREFIX_TOKENS, metadata={"help": "pairs whose common token prefix is shorter train on the plain "
                                                      "path (logged and counted in prefixflow/fallback_rows)"})
     prefixflow_min_speedup: float = field(
-        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.planning.flops) is below this train on "
-                                               "the plain path"})
+        default=MIN_SPEEDUP, metadata={"help": "pairs whose FLOP bound (hf_prefixflow.planning.flops) is below this "
+                                               "train on the plain path"})
 
 
 DEFAULTS = {name: PrefixFlowRewardConfig.__dataclass_fields__[name].default

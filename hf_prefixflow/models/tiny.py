@@ -172,7 +172,8 @@ def _fit_rope_sections(text: PretrainedConfig) -> None:
     rope = getattr(text, "rope_parameters", None)
     if not isinstance(rope, dict) or "mrope_section" not in getattr(text, "ignore_keys_at_rope_validation", ()):
         return
-    head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // config_value(text, "num_attention_heads")
+    head_dim = (config_value(text, "head_dim")
+                or config_value(text, "hidden_size") // config_value(text, "num_attention_heads"))
     target = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
     sections = rope.get("mrope_section") or [1, 1, 1]
     if target < len(sections):
