@@ -22,7 +22,7 @@ import hf_prefixflow
 from equivalence import (assert_same_gradients, full_sequence_backward, gradients, prefixflow_backward, random_group,
                          random_plan, train_side_by_side)
 from hf_prefixflow import _compat
-from hf_prefixflow.core import states
+from hf_prefixflow.core import states, switch
 from hf_prefixflow.models import probe, tiny as tiny_copy
 from hf_prefixflow.errors import PrefixFlowError
 
@@ -36,6 +36,7 @@ HYBRIDS = {
     "kimi_linear": {},  # KDA + MLA
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3},
     "zamba2": {},  # Mamba2 with a shared attention block
+    "mamba2": {},  # Mamba2 alone; its causal LM calls the backbone without the model's kwargs (the decoder bridge)
 }
 # Accepted families checked once more, for loss and gradients only (the sweep in benchmarks/families.py runs all).
 MORE_HYBRIDS = {
@@ -51,7 +52,8 @@ MORE_HYBRIDS = {
 def tiny_hybrid(model_type: str, options: dict, seed: int = 0) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **options)
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    return tiny_copy.build_tiny(model_cls, config, "sdpa", seed=seed)
+    attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"  # Mamba2 has no attention to pick
+    return tiny_copy.build_tiny(model_cls, config, attn, seed=seed)
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +91,7 @@ def test_hybrid_families_train_exactly(model_type):
     train_side_by_side(model, groups, plans)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", "mamba2"])
 def test_hybrid_families_train_exactly_under_checkpointing(model_type):
     """transformers' layer checkpointing drops a layer's `cache`; the state view rides the pass marker instead,
     also through the recompute in each wave's backward and in Phase C."""
@@ -175,9 +177,12 @@ def test_broken_checkpointing_that_drops_the_cache_is_caught(monkeypatch):
         _side_by_side(model, candidate)
 
 
-def test_a_model_that_drops_the_marker_before_its_mixers_is_refused():
-    """Mamba2ForCausalLM calls its backbone with a fixed argument list: the waves' marker never reaches the mixers,
-    which would start from a zero state. The wave checks that every captured state was read."""
+def test_broken_without_the_decoder_bridge_mamba2_is_refused(monkeypatch):
+    """The broken variant: Mamba2ForCausalLM calls its backbone with a fixed argument list, so without the decoder
+    bridge the waves' marker never reaches the mixers, which would start from a zero state; the wave's check that
+    every captured state was read refuses it instead of training it wrong."""
+    monkeypatch.setattr(switch, "bridge_decoder", lambda model: None)
+    monkeypatch.setattr(probe, "_probed", {})  # a probe cached by an earlier test would skip the probe
     model = transformers.Mamba2ForCausalLM(tiny_copy.tiny_config(AutoConfig.for_model("mamba2")))
     with pytest.raises(PrefixFlowError, match=r"recurrent layers \[0, 1\] did not receive"):
         hf_prefixflow.apply_prefixflow(model)

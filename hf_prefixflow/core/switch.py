@@ -45,10 +45,20 @@ def enable(model: torch.nn.Module) -> PreTrainedModel:
                 "route attention through transformers' AttentionInterface. Train this model with the plain trainer."
             )
     moe.enable_replay(inner)  # routers replay `prefixflow_routes` when a forward carries them
-    states.enable_states(inner)  # recurrent mixers read the group's prefix state
+    if states.enable_states(inner):  # recurrent mixers read the group's prefix state
+        bridge_decoder(inner)
     if takes_images(inner):
         mark_towers(inner)
     return inner
+
+
+def bridge_decoder(model: PreTrainedModel) -> None:
+    """Carry the PrefixFlow kwargs of `model`'s forward to its decoder: a causal LM that calls its decoder with a fixed
+    argument list (Mamba2ForCausalLM) would start the waves' recurrent states from zero. The decoder hands the kwargs
+    on to its layers itself, so a checkpoint recompute sees them too. A no-op where the forward passes them."""
+    decoder = decoder_of(model)
+    if decoder is not model:
+        attention.bridge_layers([model], [decoder])
 
 
 def mark_towers(model: PreTrainedModel) -> None:
