@@ -22,6 +22,8 @@ setup(
         "trl": TRL,
         "examples": EXAMPLES,
         "deepspeed": DEEPSPEED,
-        "dev": EXAMPLES + DEEPSPEED + ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6"],
+        # prefix_grouper: the peer benchmarks/prefix_grouper_step.py compares with; its tests cross-check against it
+        "dev": EXAMPLES + DEEPSPEED + ["pytest>=8", "nbformat>=5", "nbclient>=0.9", "ipykernel>=6",
+                                       "prefix_grouper==0.0.1.post1"],
     },
 )
