@@ -132,7 +132,9 @@ def base():
 
 TRAINING = {"sigmoid": {}, "ipo": {"loss_type": ["ipo"]}, "aot": {"loss_type": ["aot"], "label_smoothing": 0.1},
             "accumulation": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
-            "checkpointing": {"gradient_checkpointing": True}}  # TRL's default
+            "checkpointing": {"gradient_checkpointing": True},  # TRL's default
+            "pad_to_multiple_of": {"pad_to_multiple_of": 8},  # longer right padding: pairs found from real tokens
+            "padding_free": {"padding_free": True}}  # TRL 1.16 falls back to padding (warned): the swap follows
 
 
 @pytest.mark.parametrize("case", TRAINING)
