@@ -16,8 +16,8 @@ group may straddle processes: its owner's prefix K/V are shared with the other h
 The mixin relies on what TRL's GRPO and RLOO trainers share (TRL 1.14.1-1.16): `_prepare_inputs`, `training_step`,
 `_get_per_token_logps_and_entropies`, `_compute_loss(model, inputs)`, `_generate(prompts)` returning completion ids
 second, and the buffer of `steps_per_generation` microbatches. What differs, the single-turn generation call, the
-concrete class says (`_turn_completions`, `_turn_generations`). `PrefixFlowArguments` holds the settings; a
-trainer's config class is `@dataclass class C(PrefixFlowArguments, XConfig)`.
+concrete class says (`_turn_completions`, `_turn_generations`). `PrefixFlowArguments` (`trainers/config.py`) holds
+the settings; a trainer's config class is `@dataclass class C(PrefixFlowArguments, XConfig)`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from hf_prefixflow.planning import defaults
 from hf_prefixflow.core.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.core.engines import fsdp_units
-from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.core.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.apply import apply_prefixflow
@@ -49,82 +48,19 @@ from hf_prefixflow.core.access import config_of, unwrap
 from hf_prefixflow.core.offload import available_host_bytes
 from hf_prefixflow.planning.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
                                    token_bytes)
-from hf_prefixflow.config import RECOMPUTE_SHARE
 from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
 from hf_prefixflow.core.states import has_states
 from hf_prefixflow.core.waves import AutoWaves
 
 from . import multimodal, processing, routing, sequence_parallel
+from .config import PrefixFlowArguments, kv_grad_dtype, merge_limit, suffix_policy, wave_size
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
 
 logger = logging.getLogger(__name__)
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
-
-@dataclass
-class PrefixFlowArguments:
-    """PrefixFlow's settings, the fields a trainer config adds to TRL's (`@dataclass class C(PrefixFlowArguments,
-    GRPOConfig)`); a plain TRL config gets these defaults."""
-
-    prefixflow_layout: str = field(
-        default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
-    prefixflow_min_speedup: float = field(
-        default=MIN_SPEEDUP, metadata={"help": "groups whose FLOP bound is below this train on the plain path "
-                                               "(logged and counted); see hf_prefixflow.planning.flops.MIN_SPEEDUP"})
-    prefixflow_scoring: bool = field(
-        default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
-    prefixflow_routing_replay: bool = field(
-        default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
-    prefixflow_offload: bool | None = field(
-        default=None, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C; None "
-                                        "(with prefixflow_offload_kv None): per run, the cheapest way to hold the "
-                                        "prompt whose planned peak is at most the stock trainer's "
-                                        "(hf_prefixflow/defaults.py), logged as prefixflow/offload_mode"})
-    prefixflow_offload_kv: bool | None = field(
-        default=None, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
-                                        "streamed in for its turn (implies prefixflow_offload): the longest "
-                                        "prompts, for host-device traffic; one process or DDP without split groups; "
-                                        "None: as prefixflow_offload=None decides"})
-    prefixflow_offload_auto: bool = field(
-        default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
-                                         "whose estimated peak fits in the free CUDA memory and whose host pool in "
-                                         "the available host memory (hf_prefixflow.planning.planner.offload_for); logged as "
-                                         "prefixflow/offload (0 none, 1 activations, 2 K/V too); leave the two "
-                                         "settings off"})
-    prefixflow_prefix_recompute: float | None = field(
-        default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
-                                        f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
-                                        "back, else 0)"})
-    prefixflow_suffix_checkpointing: str = field(
-        default="auto", metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
-                                          "of recomputing them (the prefix stays checkpointed); 'auto' keeps them "
-                                          "where that fits in the memory one microbatch of full sequences needs "
-                                          "under the same checkpointing; True always recomputes"})
-    prefixflow_wave_size: str | None = field(
-        default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
-                                        "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
-    prefixflow_merge_microbatches: str = field(
-        default="auto", metadata={"help": "consecutive microbatches of one accumulation window that share a prompt "
-                                          "train as one run (one forward and backward of all their rows, each "
-                                          "microbatch keeping its loss normaliser): 'auto' while the run's completion "
-                                          "tokens fit in one microbatch's full sequences, a number caps the "
-                                          "microbatches per run, 1 turns merging off"})
-    prefixflow_kv_grad_dtype: str | None = field(
-        default=None, metadata={"help": "dtype gK/gV sum in across waves ('float32', 'bfloat16'); default: the "
-                                        "trainable parameters' own (fp32 under DeepSpeed, which accumulates in fp32)"})
-    prefixflow_sp_size: int = field(
-        default=1, metadata={"help": "Ulysses sequence parallelism over groups of this many consecutive processes "
-                                     "(trainers/sequence_parallel.py); ParallelismConfig(sp_size=N) means the same"})
-
-    def __post_init__(self):
-        pc = self.parallelism_config
-        if pc is not None and pc.sp_enabled:  # PrefixFlow runs Ulysses itself; TRL and DeepSpeed's would refuse
-            size = sequence_parallel.sp_size_from(pc, self.prefixflow_sp_size)
-            self.prefixflow_sp_size, self.parallelism_config = size, None
-        super().__post_init__()
 
 
 # The settings the trainer reads as attributes (a plain TRL config: these defaults); prefixflow_sp_size is read where
@@ -176,8 +112,6 @@ class PrefixFlowTrainerMixin:
         self._check_supported()
         for name, default in DEFAULTS.items():
             setattr(self, name, getattr(self.args, name, default))
-        if self.prefixflow_layout not in ("padded", "packed"):
-            raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
         self._merge_limit = self._check_merge()
         self._suffix_policy = self._check_suffix_checkpointing()
@@ -247,14 +181,9 @@ class PrefixFlowTrainerMixin:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
-        name = self.prefixflow_kv_grad_dtype
-        if name is None:
+        if self.prefixflow_kv_grad_dtype is None:
             return torch.float32 if self._deepspeed else None  # DeepSpeed's grad_accum_dtype defaults to fp32
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise PrefixFlowError(f"prefixflow_kv_grad_dtype must name a floating-point torch dtype such as "
-                                  f"'float32' or 'bfloat16', got {name!r}.")
-        return dtype
+        return kv_grad_dtype(self.prefixflow_kv_grad_dtype)
 
     @property
     def _deepspeed(self) -> bool:
@@ -273,10 +202,6 @@ class PrefixFlowTrainerMixin:
                 f"{self.accelerator.distributed_type}."
             )
         self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
-        if getattr(self.args, "prefixflow_offload_auto", False) and (
-                getattr(self.args, "prefixflow_offload", False) or getattr(self.args, "prefixflow_offload_kv", False)):
-            raise PrefixFlowError("prefixflow_offload_auto picks prefixflow_offload and prefixflow_offload_kv per run; "
-                                  "leave those two False, or turn prefixflow_offload_auto off to set them yourself.")
         if getattr(self.args, "prefixflow_offload_kv", False) and (
                 self._deepspeed or self._fsdp or self._sp is not None or self._split):
             raise PrefixFlowError(
@@ -695,7 +620,7 @@ class PrefixFlowTrainerMixin:
         return pieces
 
     def _check_wave_size(self) -> AutoWaves | None:
-        size = self.prefixflow_wave_size
+        size = wave_size(self.prefixflow_wave_size)
         if size == "auto":
             if self.accelerator.device.type != "cuda":
                 raise PrefixFlowError("prefixflow_wave_size='auto' reads free CUDA memory; on "
@@ -704,18 +629,12 @@ class PrefixFlowTrainerMixin:
                 raise PrefixFlowError("prefixflow_wave_size='auto' could pick different wave counts on different "
                                       "processes, whose per-forward collectives would then hang; give a number.")
             return AutoWaves()
-        if size is not None:
-            if not str(size).isdigit() or int(size) < 1:
-                raise PrefixFlowError(f"prefixflow_wave_size must be None, 'auto' or a positive integer, got {size!r}.")
-            self.prefixflow_wave_size = int(size)
+        self.prefixflow_wave_size = size
         return None
 
     def _check_suffix_checkpointing(self) -> bool | str:
         """The suffix-checkpointing policy: True, False or 'auto' (`_suffix_checkpointed`)."""
-        setting = self.prefixflow_suffix_checkpointing
-        policy = {"true": True, "false": False, "auto": "auto"}.get(str(setting).lower())
-        if policy is None:
-            raise PrefixFlowError(f"prefixflow_suffix_checkpointing must be True, False or 'auto', got {setting!r}.")
+        policy = suffix_policy(self.prefixflow_suffix_checkpointing)
         # Nothing to suspend; checkpoint wrappers transformers' switch does not reach; or engines whose recompute
         # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
         # rank must then run alike while "auto" decides from each rank's own rows.
@@ -841,12 +760,7 @@ class PrefixFlowTrainerMixin:
 
     def _check_merge(self) -> int | None:
         """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""
-        limit = self.prefixflow_merge_microbatches
-        if limit == "auto":
-            return None
-        if not str(limit).isdigit() or int(limit) < 1:
-            raise PrefixFlowError(f"prefixflow_merge_microbatches must be 'auto' or a positive integer, got {limit!r}.")
-        return int(limit)
+        return merge_limit(self.prefixflow_merge_microbatches)
 
     def _wave_rows(self, g: BatchGroup, lengths: list[int], device: torch.device):
         """A group's rows of this microbatch (or run), wave by wave (any split is exact). They backpropagate

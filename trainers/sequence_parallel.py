@@ -50,11 +50,6 @@ def setup(trainer, size: int) -> ulysses.SequenceParallel | None:
             f"examples/accelerate/ulysses_sp2.yaml), not {trainer.accelerator.distributed_type}; DeepSpeed ZeRO and "
             "FSDP with sequence parallelism are not supported yet."
         )
-    if getattr(trainer.args, "prefixflow_layout", "padded") != "padded":
-        raise PrefixFlowError("sequence parallelism runs padded waves; set prefixflow_layout='padded'.")
-    if getattr(trainer.args, "prefixflow_wave_size", None) is not None:
-        raise PrefixFlowError("under sequence parallelism a group's rows run as one sharded wave; leave "
-                              "prefixflow_wave_size=None.")
     ulysses.check_model(trainer.model, size)
     if trainer.ref_model is not None:
         ulysses.check_model(trainer.ref_model, size)
