@@ -15,9 +15,10 @@ group may straddle processes: its owner's prefix K/V are shared with the other h
 
 The mixin relies on what TRL's GRPO and RLOO trainers share (TRL 1.14.1-1.16): `_prepare_inputs`, `training_step`,
 `_get_per_token_logps_and_entropies`, `_compute_loss(model, inputs)`, `_generate(prompts)` returning completion ids
-second, and the buffer of `steps_per_generation` microbatches. What differs, the single-turn generation call, the
-concrete class says (`_turn_completions`, `_turn_generations`). `PrefixFlowArguments` (`trainers/config.py`) holds
-the settings; a trainer's config class is `@dataclass class C(PrefixFlowArguments, XConfig)`.
+second, and the buffer of `steps_per_generation` microbatches (their private state read through `_compat`). What
+differs, the single-turn generation call, the concrete class says (`_turn_completions`, `_turn_generations`).
+`PrefixFlowArguments` (`trainers/config.py`) holds the settings; a trainer's config class is
+`@dataclass class C(PrefixFlowArguments, XConfig)`.
 """
 
 from __future__ import annotations
@@ -175,10 +176,10 @@ class PrefixFlowTrainerMixin:
                 layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
                         "model.", len(layers))
-        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        previous = _compat.raise_recompile_limit(RECOMPILE_LIMIT)
+        if previous is not None:
             logger.info("PrefixFlow: torch_compile raises torch._dynamo.config.recompile_limit from %d to %d (the "
-                        "phases' variants of a layer's graph).", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+                        "phases' variants of a layer's graph).", previous, RECOMPILE_LIMIT)
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
         if self.prefixflow_kv_grad_dtype is None:
@@ -327,15 +328,15 @@ class PrefixFlowTrainerMixin:
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+        if _compat.trl_step(self) % generate_every == 0 or _compat.buffered_inputs(self) is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
             # The stock trainer shuffles rows here. This process's rows start `offset` rows into their group.
             offset = self.accelerator.process_index * len(batch["prompt_ids"]) % self.num_generations
             batch = shuffle_groups(batch, self.num_generations, offset=offset)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
+            _compat.set_buffered_inputs(self, [unsplit_pixel_values_by_grid(chunk) for chunk in chunks])
             self._index_generation(batch)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return _compat.buffered_inputs(self)[_compat.trl_step(self) % self.args.steps_per_generation]
 
     def _index_generation(self, batch: dict) -> None:
         """The buffered generation's groups and completion lengths, read on the host once, and how many
@@ -373,16 +374,16 @@ class PrefixFlowTrainerMixin:
             if self._anchor is None:
                 self._anchor = torch.zeros((), device=self.accelerator.device, requires_grad=True)
             return self._follow.pop(0) + 0 * self._anchor  # a backward that touches no parameter
-        position = self._step % self.args.steps_per_generation
-        run = self._buffered_inputs[position : position + self._run_length(position)]
+        position = _compat.trl_step(self) % self.args.steps_per_generation
+        run = _compat.buffered_inputs(self)[position : position + self._run_length(position)]
         if run[0] is not inputs:
             raise PrefixFlowError("internal: the microbatch TRL trains is not the buffered one the run starts with.")
         logps, entropies = self._run_logps(model, run, position)
         losses = self._microbatch_losses(model, run, logps, entropies)
         window_goes_on = self._window_position + len(run) < self.current_gradient_accumulation_steps
-        self._after_run = self._position_at(self._step + len(run)) if window_goes_on else None
+        self._after_run = self._position_at(_compat.trl_step(self) + len(run)) if window_goes_on else None
         self._run_step = "computed"
-        self._metrics["train"]["prefixflow/run_microbatches"].append(float(len(run)))
+        self._metric("prefixflow/run_microbatches", float(len(run)))
         self._follow = [loss.detach() for loss in losses[1:]]
         if not self._follow:
             return losses[0]
@@ -616,7 +617,7 @@ class PrefixFlowTrainerMixin:
             group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
                 else checkpointed
             pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
-        self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
+        self._metric("prefixflow/wave_size", sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
 
     def _check_wave_size(self) -> AutoWaves | None:
@@ -665,7 +666,7 @@ class PrefixFlowTrainerMixin:
                                   allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split),
                                   host_budget=free_host_bytes(model))
         apply_prefixflow(model, offload=offload, offload_kv=kv)
-        self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
+        self._metric("prefixflow/offload", float(offload) + float(kv))
 
     def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
         """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
@@ -683,7 +684,7 @@ class PrefixFlowTrainerMixin:
             self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
             [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
             share=config.recompute_share)
-        self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
+        self._metric("prefixflow/suffix_checkpointing", float(not keep))
         return not keep
 
     def _keeping_fits(self, model, groups: list[BatchGroup], completion_width: int) -> bool:
@@ -747,7 +748,7 @@ class PrefixFlowTrainerMixin:
         apply_prefixflow(model, dataclasses.replace(config_of(unwrap(model)), offload=setting.offload,
                                                     offload_kv=setting.offload_kv,
                                                     prefix_recompute=setting.prefix_recompute))
-        self._metrics["train"]["prefixflow/offload_mode"].append(setting.code)
+        self._metric("prefixflow/offload_mode", setting.code)
         if setting.name != getattr(self, "_stock_mode_logged", None):
             logger.log(logging.INFO if choice.fits else logging.WARNING,
                        "PrefixFlow: prompts held as %r (prefixflow/offload_mode %d): planned %.2f GiB against the "
@@ -791,8 +792,9 @@ class PrefixFlowTrainerMixin:
             elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
                 self._close_groups_not_in(self._after_run)
             elif self._run_step is None and not self._deepspeed and self._sp is None:
-                self._close_groups_not_in(self._position_at(self._step))  # under ZeRO and SP, groups stay open
-            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+                # under ZeRO and SP, groups stay open
+                self._close_groups_not_in(self._position_at(_compat.trl_step(self)))
+            self._metric("prefixflow/phase_c_s", time.perf_counter() - start)
             self._log_host_pool(model)
         self._run_step = None
         self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
@@ -805,8 +807,8 @@ class PrefixFlowTrainerMixin:
         because page-locking in place failed (prefixflow/pin_fallbacks)."""
         pool = host_pool(model)
         if pool is not None:
-            self._metrics["train"]["prefixflow/host_pool_gib"].append(pool.allocated_bytes / 2**30)
-            self._metrics["train"]["prefixflow/pin_fallbacks"].append(float(pool.pin_fallbacks))
+            self._metric("prefixflow/host_pool_gib", pool.allocated_bytes / 2**30)
+            self._metric("prefixflow/pin_fallbacks", float(pool.pin_fallbacks))
 
     def _open_split_groups(self, model, inputs: dict) -> None:
         """Ranks agree on the groups of this microbatch that several of them hold (an all-gather of its prompt keys)
@@ -829,7 +831,7 @@ class PrefixFlowTrainerMixin:
             with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
                 self._splits[key] = placement.open_split(self._session, None if g is None else g.prefix_ids,
                                                          spread[key], position_offset=key[0])
-        self._metrics["train"]["prefixflow/split_groups"].append(float(sum(len(r) > 1 for r in spread.values())))
+        self._metric("prefixflow/split_groups", float(sum(len(r) > 1 for r in spread.values())))
 
     def _end_boundary(self) -> None:
         if not (self._deepspeed or self._fsdp):
@@ -877,7 +879,7 @@ class PrefixFlowTrainerMixin:
     def _position_at(self, step: int) -> int | None:
         """The buffer position TRL's microbatch `step` trains, unless a new generation comes first (None)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._buffered_inputs is None or step % generate_every == 0:
+        if _compat.buffered_inputs(self) is None or step % generate_every == 0:
             return None
         return step % self.args.steps_per_generation
 
@@ -890,12 +892,16 @@ class PrefixFlowTrainerMixin:
 
     # -- metrics -----------------------------------------------------------------------------------------------
 
+    def _metric(self, name: str, value: float, mode: str = "train") -> None:
+        """One value of a metric TRL logs as its mean over the logging step."""
+        _compat.trl_metrics(self, mode)[name].append(value)
+
     def _count_fallback(self, reason: str, rows: int) -> None:
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        self._metric("prefixflow/fallback_rows", float(rows), mode)
         afresh = reason.startswith(routing.FALLBACK)  # MoE rows that route afresh instead of replaying generation's
         if afresh:
-            self._metrics[mode]["prefixflow/routing_fallbacks"].append(float(rows))
+            self._metric("prefixflow/routing_fallbacks", float(rows), mode)
         if not self._fallbacks[reason] and afresh:
             logger.warning("PrefixFlow: %s; counted in prefixflow/routing_fallbacks and fallback_rows.", reason)
         elif not self._fallbacks[reason]:
@@ -912,7 +918,7 @@ class PrefixFlowTrainerMixin:
         full = sum(self._shape.full_sequence(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
         shared = sum(self._shape.prefixflow(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
         prefix = "prefixflow/" if training else "prefixflow/scoring_"
-        metrics = self._metrics[mode]
+        metrics = _compat.trl_metrics(self, mode)
         metrics[prefix + "groups"].append(float(len(groups)))
         metrics[prefix + "prefix_ratio"].append(prefix_tokens / max(prefix_tokens + suffix_tokens, 1))
         metrics[prefix + "tokens_saved"].append(float(sum(len(g.prefix_ids) * (len(g.rows) - 1) for g in groups)))
