@@ -57,6 +57,7 @@ from hf_prefixflow.core.waves import AutoWaves
 from . import multimodal, processing, routing, sequence_parallel
 from .config import PrefixFlowArguments, kv_grad_dtype, merge_limit, suffix_policy, wave_size
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
+from .window import OpenWindow
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,7 @@ class PrefixFlowTrainerMixin:
             apply_prefixflow(self.ref_model)
         self._check_states()
         self._shape = ModelShape.from_config(unwrap(self.model).config)
-        self._session: GroupSession | None = None
-        self._open: dict[tuple, object] = {}
+        self._window = OpenWindow()  # this accumulation window's open prefix groups
         self._fallbacks: Counter = Counter()
         self._image_refusal = multimodal.refusal(self)  # if set, image rows take the plain path whatever the batch
         self._group_inputs: dict[tuple, dict] = {}  # image groups' prompt tensors for their Phase A, by group key
@@ -150,7 +150,6 @@ class PrefixFlowTrainerMixin:
         self._run_step: str | None = None  # this step's part in a run: "computed" it or "followed" it
         self._after_run: int | None = None  # the buffer position the next run starts at, if in this window
         self._anchor: torch.Tensor | None = None
-        self._splits: dict[tuple, placement.SplitGroup] = {}  # this window's groups split across processes
         if self._split and moe.routers(unwrap(self.model)):
             raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
                                   "router logits are per rank); " + _WHOLE_GROUPS)
@@ -449,7 +448,8 @@ class PrefixFlowTrainerMixin:
             if any(extra.get(key) is not None for key in MULTIMODAL_KEYS) or compute_aux_loss:
                 raise PrefixFlowError("sequence parallelism supports text-only dense models; multimodal inputs and "
                                       "MoE auxiliary losses are not sharded yet.")
-            return sequence_parallel.logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+            return sequence_parallel.logps(self._window, self._sp, self.accelerator.autocast, model, input_ids,
+                                          attention_mask, logits_to_keep, compute_entropy)
         return self._logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                            compute_aux_loss, **extra)
 
@@ -477,15 +477,16 @@ class PrefixFlowTrainerMixin:
             index = index or index_batch(input_ids, attention_mask, logits_to_keep)
             if multimodal.present(extra):  # image rows: groups told apart by their images too
                 index, self._group_inputs, reason = multimodal.image_groups(self, index, input_ids, logits_to_keep,
-                                                                            extra, self._open)
+                                                                            extra, self._window.open_groups)
         if not reason:
             # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
             # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
             every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
-            shared, fallback = self._choose(index, every_group=every_group, split=self._splits if training else {})
+            split = self._window.splits if training else {}
+            shared, fallback = self._choose(index, every_group=every_group, split=split)
             if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
                 reason = "router auxiliary loss with a one-token prompt"
-        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
+        fresh = sum(g.key not in self._window.open_groups for g in shared) if training else len(shared)
         # Before any forward: under FSDP2 a rank taking another path would mismatch the others' collectives.
         schedule = [1, 0, 0, 0] if reason else [0, fresh, sum(len(g.rows) for g in shared), int(bool(fallback))]
         fsdp.check_same_schedule(model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards",
@@ -598,20 +599,19 @@ class PrefixFlowTrainerMixin:
     # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
 
     def _training_waves(self, model, groups, routes, width, waves):
-        if self._session is None:
-            self._session = GroupSession(model).start()
-        pieces = []
+        window, pieces = self._window, []
+        session = window.started(model)
         if self.prefixflow_offload_auto:
-            self._choose_offload(model, [g for g in groups if g.key not in self._open and g.key not in self._splits],
-                                 waves[0].shape[1])
+            opening = [g for g in groups if g.key not in window.open_groups and g.key not in window.splits]
+            self._choose_offload(model, opening, waves[0].shape[1])
         elif self._stock_rule:
             self._choose_under_stock(model, groups, waves[0].shape[1])
         checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
         for g in groups:
-            split = self._splits.get(g.key)
-            group = split.group if split is not None else self._open.get(g.key)
+            split = window.splits.get(g.key)
+            group = split.group if split is not None else window.open_groups.get(g.key)
             if group is None:
-                group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
+                group = window.open_groups[g.key] = self._open_group(session, g, routes, width, waves[-1] is not None)
             # A group streaming its K/V (opened by an earlier run under prefixflow_offload_auto) never keeps its
             # waves' activations: they would hold every layer's K/V through the wave.
             group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
@@ -736,7 +736,7 @@ class PrefixFlowTrainerMixin:
         which the run plans no more device memory than the stock trainer's microbatch of the same generation batch
         (`defaults.choose`; groups already open keep theirs). Logged as prefixflow/offload_mode (the setting's index in
         `defaults.SETTING_NAMES`) and in an info line whenever it changes."""
-        if all(g.key in self._open for g in groups):
+        if all(g.key in self._window.open_groups for g in groups):
             return
         tokens = self._planner_tokens(model)
         budget = defaults.stock_need(tokens, *self._stock_widths, self.args.per_device_train_batch_size,
@@ -787,7 +787,7 @@ class PrefixFlowTrainerMixin:
                 raise
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
-                placement.reduce_gradients(list(self._splits.values()))  # every rank, in the order they opened
+                placement.reduce_gradients(list(self._window.splits.values()))  # every rank, in the order they opened
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
             elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
                 self._close_groups_not_in(self._after_run)
@@ -818,18 +818,18 @@ class PrefixFlowTrainerMixin:
         groups = index_batch(ids, mask, inputs["completion_ids"].shape[1]).groups
         local = {g.key: g for g in groups if len(g.prefix_ids) > 1}
         holders = placement.holders(local)
-        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
+        splits = self._window.splits
+        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in splits}
         for key, ranks in spread.items():
-            if key in self._splits and not set(ranks) <= set(self._splits[key].holders):
+            if key in splits and not set(ranks) <= set(splits[key].holders):
                 raise PrefixFlowError(
-                    f"a group split across processes {self._splits[key].holders} reappeared on processes {ranks} in "
+                    f"a group split across processes {splits[key].holders} reappeared on processes {ranks} in "
                     "the same accumulation window; its prefix K/V live only on the first. " + _WHOLE_GROUPS)
-        if self._session is None:
-            self._session = GroupSession(model).start()
-        for key in sorted(k for k in spread if k not in self._splits):  # the same order on every rank
+        session = self._window.started(model)
+        for key in sorted(k for k in spread if k not in splits):  # the same order on every rank
             g = local.get(key)
             with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
-                self._splits[key] = placement.open_split(self._session, None if g is None else g.prefix_ids,
+                splits[key] = placement.open_split(session, None if g is None else g.prefix_ids,
                                                          spread[key], position_offset=key[0])
         self._metric("prefixflow/split_groups", float(sum(len(r) > 1 for r in spread.values())))
 
@@ -837,7 +837,7 @@ class PrefixFlowTrainerMixin:
         if not (self._deepspeed or self._fsdp):
             self._end_session()
             return
-        session, self._session, self._open = self._session, None, {}
+        session, self._window.session, self._window.open_groups = self._window.session, None, {}
         fsdp.check_same_schedule(self.model, "the prefix groups closing at the boundary",
                                  [len(session.groups) if session else 0])
         fed = 0
@@ -869,12 +869,14 @@ class PrefixFlowTrainerMixin:
 
     def _close_groups_not_in(self, position: int | None) -> None:
         """Phase C for the open groups that the buffered microbatch at `position` (None: none) does not read."""
-        if self._session is None:
+        window = self._window
+        if window.session is None:
             return
         keep = set() if position is None else {g.key for g in self._microbatch_index(position).groups}
-        closing = [key for key in self._open if key[:2] not in keep]  # an image group's key: prompt key + number
+        # an image group's key: prompt key + number
+        closing = [key for key in window.open_groups if key[:2] not in keep]
         fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
-        self._session.close([self._open.pop(key) for key in closing])
+        window.session.close([window.open_groups.pop(key) for key in closing])
 
     def _position_at(self, step: int) -> int | None:
         """The buffer position TRL's microbatch `step` trains, unless a new generation comes first (None)."""
@@ -884,8 +886,7 @@ class PrefixFlowTrainerMixin:
         return step % self.args.steps_per_generation
 
     def _end_session(self, exc: BaseException | None = None) -> None:
-        session, self._session = self._session, None
-        self._open, self._splits = {}, {}
+        session, self._window = self._window.session, OpenWindow()
         self._follow, self._served, self._run_step = [], None, None
         if session is not None:
             session.finish(exc)
