@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -505,13 +506,13 @@ class PrefixFlowTrainerMixin:
             logps, entropies, _ = plain(fallback)
             pieces.append((fallback, logps, entropies))
         if shared:
-            waves = (completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
+            waves = WaveInputs(completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
             if training:
                 pieces += self._training_waves(model, shared, routes, width, waves)
             else:
                 with GroupSession(model) as session:
                     pieces += [self._wave(self._open_group(session, g, routes, width, aux_parts is not None), g.rows,
-                                          *waves) for g in shared]
+                                          waves) for g in shared]
         self._log_groups(shared, index.lengths if shared else [], training, time.perf_counter() - start)
         order = [r for rows, _, _ in pieces for r in rows]
         logps = _in_order(torch.cat([p[1] for p in pieces]), order)
@@ -558,13 +559,15 @@ class PrefixFlowTrainerMixin:
             return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes,
                                 collect_router_logits=collect_router_logits, **self._group_inputs.get(group.key, {}))
 
-    def _wave(self, group, rows, completions, completion_mask, suffix_routes, lengths, compute_entropy, aux_parts):
+    def _wave(self, group, rows: list[int], waves: WaveInputs):
         """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
-        ids, mask = _take(completions, rows), _take(completion_mask, rows)
+        ids, mask = _take(waves.completions, rows), _take(waves.completion_mask, rows)
         labels = ids.masked_fill(mask == 0, -100)
-        routes = None if suffix_routes is None else _take(suffix_routes, rows).transpose(0, 1).long()
-        if aux_parts is not None:
-            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy, aux_parts)
+        routes = None if waves.suffix_routes is None else _take(waves.suffix_routes, rows).transpose(0, 1).long()
+        compute_entropy, lengths = waves.compute_entropy, waves.lengths
+        if waves.aux_parts is not None:
+            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy,
+                                                        waves.aux_parts)
         with self.accelerator.autocast():
             if self.prefixflow_layout == "packed":
                 real = [max(lengths[r], 1) for r in rows]
@@ -598,25 +601,26 @@ class PrefixFlowTrainerMixin:
 
     # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
 
-    def _training_waves(self, model, groups, routes, width, waves):
+    def _training_waves(self, model, groups: list[BatchGroup], routes, width: int, waves: WaveInputs):
         window, pieces = self._window, []
         session = window.started(model)
         if self.prefixflow_offload_auto:
             opening = [g for g in groups if g.key not in window.open_groups and g.key not in window.splits]
-            self._choose_offload(model, opening, waves[0].shape[1])
+            self._choose_offload(model, opening, waves.completions.shape[1])
         elif self._stock_rule:
-            self._choose_under_stock(model, groups, waves[0].shape[1])
-        checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
+            self._choose_under_stock(model, groups, waves.completions.shape[1])
+        checkpointed = self._suffix_checkpointed(model, groups, waves.completions.shape[1])
         for g in groups:
             split = window.splits.get(g.key)
             group = split.group if split is not None else window.open_groups.get(g.key)
             if group is None:
-                group = window.open_groups[g.key] = self._open_group(session, g, routes, width, waves[-1] is not None)
+                group = self._open_group(session, g, routes, width, waves.aux_parts is not None)
+                window.open_groups[g.key] = group
             # A group streaming its K/V (opened by an earlier run under prefixflow_offload_auto) never keeps its
             # waves' activations: they would hold every layer's K/V through the wave.
             group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
                 else checkpointed
-            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
+            pieces += [self._wave(group, rows, waves) for rows in self._wave_rows(g, waves.lengths, waves.device)]
         self._metric("prefixflow/wave_size", sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
 
@@ -929,6 +933,24 @@ class PrefixFlowTrainerMixin:
 
 _WHOLE_GROUPS = ("keep groups whole per process: make per_device_train_batch_size * steps_per_generation a multiple "
                  "of num_generations.")
+
+
+@dataclass(frozen=True)
+class WaveInputs:
+    """What every suffix wave of a batch takes its rows from: the completions and their mask `[B, C]`, their
+    recorded routes (`[B, layers, C, k]`, None: routed afresh), each row's completion length, whether entropies are
+    wanted, and the router-logit parts the load-balancing loss collects (None: not computed; waves append)."""
+
+    completions: torch.Tensor
+    completion_mask: torch.Tensor
+    suffix_routes: torch.Tensor | None
+    lengths: list[int]
+    compute_entropy: bool
+    aux_parts: list | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.completion_mask.device
 
 
 def _pack(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:
