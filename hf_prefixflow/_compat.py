@@ -83,6 +83,16 @@ def consume_cuda_error() -> None:
         torch.empty(1, device="cuda").fill_(1)
 
 
+def raise_recompile_limit(limit: int) -> int | None:
+    """Raise `torch._dynamo.config.recompile_limit` (a process-wide setting) to `limit`; returns the limit it had,
+    None where it was already as high. Checked on torch 2.11 and 2.13."""
+    previous = torch._dynamo.config.recompile_limit
+    if previous >= limit:
+        return None
+    torch._dynamo.config.recompile_limit = limit
+    return previous
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether `module.compile()` compiled the module's call in place."""
     return getattr(module, "_compiled_call_impl", None) is not None
@@ -204,6 +214,33 @@ TRL_1_14_SCORING = {
     "selective_log_softmax": ("logits", "index", "temperature", "row_mask"),
     "selective_log_softmax_and_entropy": ("logits", "index", "entropy_requires_grad", "temperature", "row_mask"),
 }
+
+
+# The state of TRL's trainers that PrefixFlow reads or replaces, by attribute: each set in the trainer's `__init__`
+# (checked on TRL 1.14.1 and 1.16). `_step` and `_buffered_inputs`: GRPOTrainer and RLOOTrainer; `_metrics`: those
+# and DPOTrainer and RewardTrainer.
+GROUP_TRAINER_STATE = ("_step", "_buffered_inputs", "_metrics")
+PAIR_TRAINER_STATE = ("_metrics",)
+
+
+def trl_step(trainer) -> int:
+    """The microbatches TRL's group trainer has trained (it picks the buffered microbatch and when to generate)."""
+    return trainer._step
+
+
+def buffered_inputs(trainer) -> list[dict] | None:
+    """The microbatches of TRL's group trainer's buffered generation batch, None before the first generation."""
+    return trainer._buffered_inputs
+
+
+def set_buffered_inputs(trainer, microbatches: list[dict]) -> None:
+    """Replace the buffered generation batch (PrefixFlow splits it by whole groups instead of rows)."""
+    trainer._buffered_inputs = microbatches
+
+
+def trl_metrics(trainer, mode: str) -> dict[str, list[float]]:
+    """The values TRL's trainer logs as means per logging step (`mode`: "train" or "eval"), by metric name."""
+    return trainer._metrics[mode]
 
 
 def trl_version():

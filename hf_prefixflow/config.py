@@ -12,7 +12,8 @@ from .errors import PrefixFlowError
 # default): calibrated on GPU, where a layer recomputes faster than its activations cross PCIe (docs/offload.md,
 # docs/benchmarks.md).
 RECOMPUTE_SHARE = 1.0
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# The dtype names `kv_grad_dtype` accepts, here and as the trainers' prefixflow_kv_grad_dtype: one table.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,10 @@ class PrefixFlowConfig:
         if share is not None and not (isinstance(share, (int, float)) and 0.0 <= share <= 1.0):
             raise PrefixFlowError(f"prefix_recompute is the share of prefix layers that Phase C recomputes, a number "
                                   f"in [0, 1]; got {share!r}.")
-        dtype = _DTYPES.get(self.kv_grad_dtype, self.kv_grad_dtype) if isinstance(self.kv_grad_dtype, str) \
+        dtype = DTYPES.get(self.kv_grad_dtype, self.kv_grad_dtype) if isinstance(self.kv_grad_dtype, str) \
             else self.kv_grad_dtype
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype or one of {sorted(_DTYPES)}, "
+            raise PrefixFlowError(f"kv_grad_dtype must be a floating-point torch.dtype or one of {sorted(DTYPES)}, "
                                   f"got {self.kv_grad_dtype!r}.")
         object.__setattr__(self, "kv_grad_dtype", dtype)
         object.__setattr__(self, "offload_kv", bool(self.offload_kv))

@@ -3,6 +3,7 @@ still exists with the signature PrefixFlow relies on: an upgrade that moves one 
 
 import copy
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,6 +91,33 @@ def test_rloo_trainer_private_methods():
         assert method is not None, f"trl.RLOOTrainer.{name} is gone"
         if expected is not None:
             assert _parameters(method) == expected, f"trl.RLOOTrainer.{name} changed its parameters"
+
+
+@pytest.mark.parametrize("trainer, state", [("GRPOTrainer", _compat.GROUP_TRAINER_STATE),
+                                            ("RLOOTrainer", _compat.GROUP_TRAINER_STATE),
+                                            ("DPOTrainer", _compat.PAIR_TRAINER_STATE),
+                                            ("RewardTrainer", _compat.PAIR_TRAINER_STATE)])
+def test_trl_trainer_state_the_accessors_read(trainer, state):
+    """`trl_step`, `buffered_inputs`, `set_buffered_inputs` and `trl_metrics` read attributes TRL's trainers set in
+    their `__init__`: each is still assigned there, and the accessors read and write that attribute."""
+    import trl
+
+    source = inspect.getsource(getattr(trl, trainer).__init__)
+    for name in state:
+        assert f"self.{name} = " in source, f"trl.{trainer} no longer sets {name} in __init__"
+    fake = SimpleNamespace(_step=5, _buffered_inputs=None, _metrics={"train": {"loss": [1.0]}, "eval": {}})
+    assert _compat.trl_step(fake) == 5 and _compat.buffered_inputs(fake) is None
+    _compat.set_buffered_inputs(fake, [{"prompt_ids": None}])
+    assert fake._buffered_inputs == [{"prompt_ids": None}]
+    assert _compat.trl_metrics(fake, "train") is fake._metrics["train"]
+
+
+def test_raising_the_recompile_limit():
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert _compat.raise_recompile_limit(64) == 8
+        assert torch._dynamo.config.recompile_limit == 64
+        assert _compat.raise_recompile_limit(32) is None
+        assert torch._dynamo.config.recompile_limit == 64
 
 
 def test_trl_scoring_the_waves_rely_on():

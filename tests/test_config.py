@@ -50,3 +50,24 @@ def test_a_model_built_from_the_same_config_object_stays_plain():
     assert all(getattr(m, "config", first.config) is first.config for m in first.modules())
     with pytest.raises(PrefixFlowError, match="apply_prefixflow"):
         hf_prefixflow.prefix_group(second, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"prefixflow_layout": "rows"}, r"prefixflow_layout must be 'padded' or 'packed'"),
+    ({"prefixflow_offload_auto": True, "prefixflow_offload": True}, r"prefixflow_offload_auto picks"),
+    ({"prefixflow_suffix_checkpointing": "sometimes"}, r"True, False or 'auto'"),
+    ({"prefixflow_wave_size": "0"}, r"prefixflow_wave_size must be None, 'auto' or a positive integer"),
+    ({"prefixflow_merge_microbatches": "0"}, r"prefixflow_merge_microbatches must be 'auto' or a positive integer"),
+    ({"prefixflow_kv_grad_dtype": "int8"}, r"prefixflow_kv_grad_dtype must name a floating-point torch dtype"),
+    ({"prefixflow_sp_size": 2, "prefixflow_layout": "packed"}, r"sequence parallelism runs padded waves"),
+    ({"prefixflow_sp_size": 2, "prefixflow_wave_size": "2"}, r"one sharded wave"),
+])
+def test_bad_trainer_settings_are_refused_when_the_config_is_built(settings, match, tmp_path):
+    """`PrefixFlowArguments.__post_init__` checks each prefixflow_* setting before any model is loaded, as TRL's
+    configs check theirs; the kv_grad_dtype names are `PrefixFlowConfig`'s table."""
+    from hf_prefixflow.trainers import PrefixFlowGRPOConfig
+    from hf_prefixflow.trainers.config import kv_grad_dtype
+
+    with pytest.raises(PrefixFlowError, match=match):
+        PrefixFlowGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **settings)
+    assert kv_grad_dtype("bfloat16") is PrefixFlowConfig(kv_grad_dtype="bfloat16").kv_grad_dtype is torch.bfloat16

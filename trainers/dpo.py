@@ -412,7 +412,7 @@ class PairTrainerMixin:
 
     def _count_fallback(self, reason: str, rows: int) -> None:
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        _compat.trl_metrics(self, mode)["prefixflow/fallback_rows"].append(float(rows))
         if not self._fallbacks[reason]:
             logger.warning("PrefixFlow: rows take the %s path (%s); counted in prefixflow/fallback_rows.",
                            self._plain_path, reason)
@@ -519,7 +519,7 @@ class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
         full = sum(shape.full_sequence(p.shared, [n - p.shared for n in p.lengths]) for p in pairs)
         shared = sum(shape.prefixflow(p.shared, [n - p.shared for n in p.lengths]) for p in pairs)
         prefix = "prefixflow/" if training else "prefixflow/scoring_"
-        metrics = self._metrics[mode]
+        metrics = _compat.trl_metrics(self, mode)
         metrics[prefix + "groups"].append(float(len(pairs)))
         metrics[prefix + "tokens_saved"].append(float(sum(p.shared for p in pairs)))
         metrics[prefix + "flops_saved"].append(1.0 - shared / full)
@@ -541,7 +541,7 @@ def pair_training_step(trainer, step: Callable, model: torch.nn.Module, inputs: 
         if trainer._scorer.session is not None:
             start = time.perf_counter()
             trainer._end_session()
-            trainer._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+            _compat.trl_metrics(trainer, "train")["prefixflow/phase_c_s"].append(time.perf_counter() - start)
     if sharing and trainer.accelerator.sync_gradients:
         data_parallel.all_reduce_gradients(model)
     return loss

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig, GRPOTrainer
 
-from .mixin import PrefixFlowArguments, PrefixFlowTrainerMixin
+from .config import PrefixFlowArguments
+from .mixin import PrefixFlowTrainerMixin
 
 
 @dataclass

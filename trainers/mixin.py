@@ -15,9 +15,10 @@ group may straddle processes: its owner's prefix K/V are shared with the other h
 
 The mixin relies on what TRL's GRPO and RLOO trainers share (TRL 1.14.1-1.16): `_prepare_inputs`, `training_step`,
 `_get_per_token_logps_and_entropies`, `_compute_loss(model, inputs)`, `_generate(prompts)` returning completion ids
-second, and the buffer of `steps_per_generation` microbatches. What differs, the single-turn generation call, the
-concrete class says (`_turn_completions`, `_turn_generations`). `PrefixFlowArguments` holds the settings; a
-trainer's config class is `@dataclass class C(PrefixFlowArguments, XConfig)`.
+second, and the buffer of `steps_per_generation` microbatches (their private state read through `_compat`). What
+differs, the single-turn generation call, the concrete class says (`_turn_completions`, `_turn_generations`).
+`PrefixFlowArguments` (`trainers/config.py`) holds the settings; a trainer's config class is
+`@dataclass class C(PrefixFlowArguments, XConfig)`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from hf_prefixflow.planning import defaults
 from hf_prefixflow.core.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
 from hf_prefixflow.core.engines import fsdp_units
-from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
+from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.core.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.apply import apply_prefixflow
@@ -49,82 +50,20 @@ from hf_prefixflow.core.access import config_of, unwrap
 from hf_prefixflow.core.offload import available_host_bytes
 from hf_prefixflow.planning.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
                                    token_bytes)
-from hf_prefixflow.config import RECOMPUTE_SHARE
 from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
 from hf_prefixflow.core.states import has_states
 from hf_prefixflow.core.waves import AutoWaves
 
 from . import multimodal, processing, routing, sequence_parallel
+from .config import PrefixFlowArguments, kv_grad_dtype, merge_limit, suffix_policy, wave_size
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
+from .window import OpenWindow
 
 logger = logging.getLogger(__name__)
 
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
-
-@dataclass
-class PrefixFlowArguments:
-    """PrefixFlow's settings, the fields a trainer config adds to TRL's (`@dataclass class C(PrefixFlowArguments,
-    GRPOConfig)`); a plain TRL config gets these defaults."""
-
-    prefixflow_layout: str = field(
-        default="padded", metadata={"help": "suffix wave layout: 'padded' rows or one 'packed' row per group"})
-    prefixflow_min_speedup: float = field(
-        default=MIN_SPEEDUP, metadata={"help": "groups whose FLOP bound is below this train on the plain path "
-                                               "(logged and counted); see hf_prefixflow.planning.flops.MIN_SPEEDUP"})
-    prefixflow_scoring: bool = field(
-        default=True, metadata={"help": "reuse the prefix in the old-policy and reference scoring passes"})
-    prefixflow_routing_replay: bool = field(
-        default=True, metadata={"help": "MoE models: record routes during generation and replay them in training"})
-    prefixflow_offload: bool | None = field(
-        default=None, metadata={"help": "keep dormant prefix activations in a host pool between Phase A and C; None "
-                                        "(with prefixflow_offload_kv None): per run, the cheapest way to hold the "
-                                        "prompt whose planned peak is at most the stock trainer's "
-                                        "(hf_prefixflow/defaults.py), logged as prefixflow/offload_mode"})
-    prefixflow_offload_kv: bool | None = field(
-        default=None, metadata={"help": "also keep the prompt's K/V and their gradients on the host, each layer's "
-                                        "streamed in for its turn (implies prefixflow_offload): the longest "
-                                        "prompts, for host-device traffic; one process or DDP without split groups; "
-                                        "None: as prefixflow_offload=None decides"})
-    prefixflow_offload_auto: bool = field(
-        default=False, metadata={"help": "pick prefixflow_offload and prefixflow_offload_kv per run: the cheapest "
-                                         "whose estimated peak fits in the free CUDA memory and whose host pool in "
-                                         "the available host memory (hf_prefixflow.planning.planner.offload_for); logged as "
-                                         "prefixflow/offload (0 none, 1 activations, 2 K/V too); leave the two "
-                                         "settings off"})
-    prefixflow_prefix_recompute: float | None = field(
-        default=None, metadata={"help": "the share of prefix layers Phase A checkpoints and Phase C recomputes "
-                                        f"(default {RECOMPUTE_SHARE} with offload, where it replaces copying them "
-                                        "back, else 0)"})
-    prefixflow_suffix_checkpointing: str = field(
-        default="auto", metadata={"help": "with gradient_checkpointing: False keeps suffix waves' activations instead "
-                                          "of recomputing them (the prefix stays checkpointed); 'auto' keeps them "
-                                          "where that fits in the memory one microbatch of full sequences needs "
-                                          "under the same checkpointing; True always recomputes"})
-    prefixflow_wave_size: str | None = field(
-        default=None, metadata={"help": "rows per suffix wave: None keeps a group's rows of a microbatch in one wave; "
-                                        "a number caps it; 'auto' sizes waves from free CUDA memory (AutoWaves)"})
-    prefixflow_merge_microbatches: str = field(
-        default="auto", metadata={"help": "consecutive microbatches of one accumulation window that share a prompt "
-                                          "train as one run (one forward and backward of all their rows, each "
-                                          "microbatch keeping its loss normaliser): 'auto' while the run's completion "
-                                          "tokens fit in one microbatch's full sequences, a number caps the "
-                                          "microbatches per run, 1 turns merging off"})
-    prefixflow_kv_grad_dtype: str | None = field(
-        default=None, metadata={"help": "dtype gK/gV sum in across waves ('float32', 'bfloat16'); default: the "
-                                        "trainable parameters' own (fp32 under DeepSpeed, which accumulates in fp32)"})
-    prefixflow_sp_size: int = field(
-        default=1, metadata={"help": "Ulysses sequence parallelism over groups of this many consecutive processes "
-                                     "(trainers/sequence_parallel.py); ParallelismConfig(sp_size=N) means the same"})
-
-    def __post_init__(self):
-        pc = self.parallelism_config
-        if pc is not None and pc.sp_enabled:  # PrefixFlow runs Ulysses itself; TRL and DeepSpeed's would refuse
-            size = sequence_parallel.sp_size_from(pc, self.prefixflow_sp_size)
-            self.prefixflow_sp_size, self.parallelism_config = size, None
-        super().__post_init__()
 
 
 # The settings the trainer reads as attributes (a plain TRL config: these defaults); prefixflow_sp_size is read where
@@ -176,8 +115,6 @@ class PrefixFlowTrainerMixin:
         self._check_supported()
         for name, default in DEFAULTS.items():
             setattr(self, name, getattr(self.args, name, default))
-        if self.prefixflow_layout not in ("padded", "packed"):
-            raise PrefixFlowError(f"prefixflow_layout must be 'padded' or 'packed', got {self.prefixflow_layout!r}.")
         self._auto_waves = self._check_wave_size()
         self._merge_limit = self._check_merge()
         self._suffix_policy = self._check_suffix_checkpointing()
@@ -190,8 +127,7 @@ class PrefixFlowTrainerMixin:
             apply_prefixflow(self.ref_model)
         self._check_states()
         self._shape = ModelShape.from_config(unwrap(self.model).config)
-        self._session: GroupSession | None = None
-        self._open: dict[tuple, object] = {}
+        self._window = OpenWindow()  # this accumulation window's open prefix groups
         self._fallbacks: Counter = Counter()
         self._image_refusal = multimodal.refusal(self)  # if set, image rows take the plain path whatever the batch
         self._group_inputs: dict[tuple, dict] = {}  # image groups' prompt tensors for their Phase A, by group key
@@ -215,7 +151,6 @@ class PrefixFlowTrainerMixin:
         self._run_step: str | None = None  # this step's part in a run: "computed" it or "followed" it
         self._after_run: int | None = None  # the buffer position the next run starts at, if in this window
         self._anchor: torch.Tensor | None = None
-        self._splits: dict[tuple, placement.SplitGroup] = {}  # this window's groups split across processes
         if self._split and moe.routers(unwrap(self.model)):
             raise PrefixFlowError("groups split across processes are supported for dense models only (MoE routes and "
                                   "router logits are per rank); " + _WHOLE_GROUPS)
@@ -241,20 +176,15 @@ class PrefixFlowTrainerMixin:
                 layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
             logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
                         "model.", len(layers))
-        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        previous = _compat.raise_recompile_limit(RECOMPILE_LIMIT)
+        if previous is not None:
             logger.info("PrefixFlow: torch_compile raises torch._dynamo.config.recompile_limit from %d to %d (the "
-                        "phases' variants of a layer's graph).", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+                        "phases' variants of a layer's graph).", previous, RECOMPILE_LIMIT)
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
-        name = self.prefixflow_kv_grad_dtype
-        if name is None:
+        if self.prefixflow_kv_grad_dtype is None:
             return torch.float32 if self._deepspeed else None  # DeepSpeed's grad_accum_dtype defaults to fp32
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise PrefixFlowError(f"prefixflow_kv_grad_dtype must name a floating-point torch dtype such as "
-                                  f"'float32' or 'bfloat16', got {name!r}.")
-        return dtype
+        return kv_grad_dtype(self.prefixflow_kv_grad_dtype)
 
     @property
     def _deepspeed(self) -> bool:
@@ -273,10 +203,6 @@ class PrefixFlowTrainerMixin:
                 f"{self.accelerator.distributed_type}."
             )
         self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
-        if getattr(self.args, "prefixflow_offload_auto", False) and (
-                getattr(self.args, "prefixflow_offload", False) or getattr(self.args, "prefixflow_offload_kv", False)):
-            raise PrefixFlowError("prefixflow_offload_auto picks prefixflow_offload and prefixflow_offload_kv per run; "
-                                  "leave those two False, or turn prefixflow_offload_auto off to set them yourself.")
         if getattr(self.args, "prefixflow_offload_kv", False) and (
                 self._deepspeed or self._fsdp or self._sp is not None or self._split):
             raise PrefixFlowError(
@@ -402,15 +328,15 @@ class PrefixFlowTrainerMixin:
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+        if _compat.trl_step(self) % generate_every == 0 or _compat.buffered_inputs(self) is None:
             batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
             # The stock trainer shuffles rows here. This process's rows start `offset` rows into their group.
             offset = self.accelerator.process_index * len(batch["prompt_ids"]) % self.num_generations
             batch = shuffle_groups(batch, self.num_generations, offset=offset)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(chunk) for chunk in chunks]
+            _compat.set_buffered_inputs(self, [unsplit_pixel_values_by_grid(chunk) for chunk in chunks])
             self._index_generation(batch)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return _compat.buffered_inputs(self)[_compat.trl_step(self) % self.args.steps_per_generation]
 
     def _index_generation(self, batch: dict) -> None:
         """The buffered generation's groups and completion lengths, read on the host once, and how many
@@ -448,16 +374,16 @@ class PrefixFlowTrainerMixin:
             if self._anchor is None:
                 self._anchor = torch.zeros((), device=self.accelerator.device, requires_grad=True)
             return self._follow.pop(0) + 0 * self._anchor  # a backward that touches no parameter
-        position = self._step % self.args.steps_per_generation
-        run = self._buffered_inputs[position : position + self._run_length(position)]
+        position = _compat.trl_step(self) % self.args.steps_per_generation
+        run = _compat.buffered_inputs(self)[position : position + self._run_length(position)]
         if run[0] is not inputs:
             raise PrefixFlowError("internal: the microbatch TRL trains is not the buffered one the run starts with.")
         logps, entropies = self._run_logps(model, run, position)
         losses = self._microbatch_losses(model, run, logps, entropies)
         window_goes_on = self._window_position + len(run) < self.current_gradient_accumulation_steps
-        self._after_run = self._position_at(self._step + len(run)) if window_goes_on else None
+        self._after_run = self._position_at(_compat.trl_step(self) + len(run)) if window_goes_on else None
         self._run_step = "computed"
-        self._metrics["train"]["prefixflow/run_microbatches"].append(float(len(run)))
+        self._metric("prefixflow/run_microbatches", float(len(run)))
         self._follow = [loss.detach() for loss in losses[1:]]
         if not self._follow:
             return losses[0]
@@ -523,7 +449,8 @@ class PrefixFlowTrainerMixin:
             if any(extra.get(key) is not None for key in MULTIMODAL_KEYS) or compute_aux_loss:
                 raise PrefixFlowError("sequence parallelism supports text-only dense models; multimodal inputs and "
                                       "MoE auxiliary losses are not sharded yet.")
-            return sequence_parallel.logps(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+            return sequence_parallel.logps(self._window, self._sp, self.accelerator.autocast, model, input_ids,
+                                          attention_mask, logits_to_keep, compute_entropy)
         return self._logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                            compute_aux_loss, **extra)
 
@@ -551,15 +478,16 @@ class PrefixFlowTrainerMixin:
             index = index or index_batch(input_ids, attention_mask, logits_to_keep)
             if multimodal.present(extra):  # image rows: groups told apart by their images too
                 index, self._group_inputs, reason = multimodal.image_groups(self, index, input_ids, logits_to_keep,
-                                                                            extra, self._open)
+                                                                            extra, self._window.open_groups)
         if not reason:
             # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
             # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
             every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
-            shared, fallback = self._choose(index, every_group=every_group, split=self._splits if training else {})
+            split = self._window.splits if training else {}
+            shared, fallback = self._choose(index, every_group=every_group, split=split)
             if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
                 reason = "router auxiliary loss with a one-token prompt"
-        fresh = sum(g.key not in self._open for g in shared) if training else len(shared)
+        fresh = sum(g.key not in self._window.open_groups for g in shared) if training else len(shared)
         # Before any forward: under FSDP2 a rank taking another path would mismatch the others' collectives.
         schedule = [1, 0, 0, 0] if reason else [0, fresh, sum(len(g.rows) for g in shared), int(bool(fallback))]
         fsdp.check_same_schedule(model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards",
@@ -578,13 +506,13 @@ class PrefixFlowTrainerMixin:
             logps, entropies, _ = plain(fallback)
             pieces.append((fallback, logps, entropies))
         if shared:
-            waves = (completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
+            waves = WaveInputs(completions, completion_mask, suffix_routes, index.lengths, compute_entropy, aux_parts)
             if training:
                 pieces += self._training_waves(model, shared, routes, width, waves)
             else:
                 with GroupSession(model) as session:
                     pieces += [self._wave(self._open_group(session, g, routes, width, aux_parts is not None), g.rows,
-                                          *waves) for g in shared]
+                                          waves) for g in shared]
         self._log_groups(shared, index.lengths if shared else [], training, time.perf_counter() - start)
         order = [r for rows, _, _ in pieces for r in rows]
         logps = _in_order(torch.cat([p[1] for p in pieces]), order)
@@ -631,13 +559,15 @@ class PrefixFlowTrainerMixin:
             return session.open(group.prefix_ids, group.position_offset, routes=prefix_routes,
                                 collect_router_logits=collect_router_logits, **self._group_inputs.get(group.key, {}))
 
-    def _wave(self, group, rows, completions, completion_mask, suffix_routes, lengths, compute_entropy, aux_parts):
+    def _wave(self, group, rows: list[int], waves: WaveInputs):
         """One suffix wave of `rows` through TRL's fused LM head; log-prob `t` scores completion token `t`."""
-        ids, mask = _take(completions, rows), _take(completion_mask, rows)
+        ids, mask = _take(waves.completions, rows), _take(waves.completion_mask, rows)
         labels = ids.masked_fill(mask == 0, -100)
-        routes = None if suffix_routes is None else _take(suffix_routes, rows).transpose(0, 1).long()
-        if aux_parts is not None:
-            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy, aux_parts)
+        routes = None if waves.suffix_routes is None else _take(waves.suffix_routes, rows).transpose(0, 1).long()
+        compute_entropy, lengths = waves.compute_entropy, waves.lengths
+        if waves.aux_parts is not None:
+            return rows, *self._wave_with_router_logits(group, ids, mask, labels, routes, compute_entropy,
+                                                        waves.aux_parts)
         with self.accelerator.autocast():
             if self.prefixflow_layout == "packed":
                 real = [max(lengths[r], 1) for r in rows]
@@ -671,31 +601,31 @@ class PrefixFlowTrainerMixin:
 
     # -- the actor update: groups live across the microbatches of one accumulation window ----------------------
 
-    def _training_waves(self, model, groups, routes, width, waves):
-        if self._session is None:
-            self._session = GroupSession(model).start()
-        pieces = []
+    def _training_waves(self, model, groups: list[BatchGroup], routes, width: int, waves: WaveInputs):
+        window, pieces = self._window, []
+        session = window.started(model)
         if self.prefixflow_offload_auto:
-            self._choose_offload(model, [g for g in groups if g.key not in self._open and g.key not in self._splits],
-                                 waves[0].shape[1])
+            opening = [g for g in groups if g.key not in window.open_groups and g.key not in window.splits]
+            self._choose_offload(model, opening, waves.completions.shape[1])
         elif self._stock_rule:
-            self._choose_under_stock(model, groups, waves[0].shape[1])
-        checkpointed = self._suffix_checkpointed(model, groups, waves[0].shape[1])
+            self._choose_under_stock(model, groups, waves.completions.shape[1])
+        checkpointed = self._suffix_checkpointed(model, groups, waves.completions.shape[1])
         for g in groups:
-            split = self._splits.get(g.key)
-            group = split.group if split is not None else self._open.get(g.key)
+            split = window.splits.get(g.key)
+            group = split.group if split is not None else window.open_groups.get(g.key)
             if group is None:
-                group = self._open[g.key] = self._open_group(self._session, g, routes, width, waves[-1] is not None)
+                group = self._open_group(session, g, routes, width, waves.aux_parts is not None)
+                window.open_groups[g.key] = group
             # A group streaming its K/V (opened by an earlier run under prefixflow_offload_auto) never keeps its
             # waves' activations: they would hold every layer's K/V through the wave.
             group.suffix_checkpointing = True if checkpointed is False and group.cache.host is not None \
                 else checkpointed
-            pieces += [self._wave(group, rows, *waves) for rows in self._wave_rows(g, waves[3], waves[1].device)]
-        self._metrics["train"]["prefixflow/wave_size"].append(sum(len(p[0]) for p in pieces) / len(pieces))
+            pieces += [self._wave(group, rows, waves) for rows in self._wave_rows(g, waves.lengths, waves.device)]
+        self._metric("prefixflow/wave_size", sum(len(p[0]) for p in pieces) / len(pieces))
         return pieces
 
     def _check_wave_size(self) -> AutoWaves | None:
-        size = self.prefixflow_wave_size
+        size = wave_size(self.prefixflow_wave_size)
         if size == "auto":
             if self.accelerator.device.type != "cuda":
                 raise PrefixFlowError("prefixflow_wave_size='auto' reads free CUDA memory; on "
@@ -704,18 +634,12 @@ class PrefixFlowTrainerMixin:
                 raise PrefixFlowError("prefixflow_wave_size='auto' could pick different wave counts on different "
                                       "processes, whose per-forward collectives would then hang; give a number.")
             return AutoWaves()
-        if size is not None:
-            if not str(size).isdigit() or int(size) < 1:
-                raise PrefixFlowError(f"prefixflow_wave_size must be None, 'auto' or a positive integer, got {size!r}.")
-            self.prefixflow_wave_size = int(size)
+        self.prefixflow_wave_size = size
         return None
 
     def _check_suffix_checkpointing(self) -> bool | str:
         """The suffix-checkpointing policy: True, False or 'auto' (`_suffix_checkpointed`)."""
-        setting = self.prefixflow_suffix_checkpointing
-        policy = {"true": True, "false": False, "auto": "auto"}.get(str(setting).lower())
-        if policy is None:
-            raise PrefixFlowError(f"prefixflow_suffix_checkpointing must be True, False or 'auto', got {setting!r}.")
+        policy = suffix_policy(self.prefixflow_suffix_checkpointing)
         # Nothing to suspend; checkpoint wrappers transformers' switch does not reach; or engines whose recompute
         # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
         # rank must then run alike while "auto" decides from each rank's own rows.
@@ -746,7 +670,7 @@ class PrefixFlowTrainerMixin:
                                   allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split),
                                   host_budget=free_host_bytes(model))
         apply_prefixflow(model, offload=offload, offload_kv=kv)
-        self._metrics["train"]["prefixflow/offload"].append(float(offload) + float(kv))
+        self._metric("prefixflow/offload", float(offload) + float(kv))
 
     def _suffix_checkpointed(self, model, groups: list[BatchGroup], completion_width: int) -> bool | None:
         """Whether this run's suffix waves recompute their activations in the backward. 'auto': not while keeping
@@ -764,7 +688,7 @@ class PrefixFlowTrainerMixin:
             self._planner_tokens(model), [len(g.prefix_ids) for g in groups], completion_width,
             [len(g.rows) for g in groups], self.args.per_device_train_batch_size, offload=config.offload,
             share=config.recompute_share)
-        self._metrics["train"]["prefixflow/suffix_checkpointing"].append(float(not keep))
+        self._metric("prefixflow/suffix_checkpointing", float(not keep))
         return not keep
 
     def _keeping_fits(self, model, groups: list[BatchGroup], completion_width: int) -> bool:
@@ -816,7 +740,7 @@ class PrefixFlowTrainerMixin:
         which the run plans no more device memory than the stock trainer's microbatch of the same generation batch
         (`defaults.choose`; groups already open keep theirs). Logged as prefixflow/offload_mode (the setting's index in
         `defaults.SETTING_NAMES`) and in an info line whenever it changes."""
-        if all(g.key in self._open for g in groups):
+        if all(g.key in self._window.open_groups for g in groups):
             return
         tokens = self._planner_tokens(model)
         budget = defaults.stock_need(tokens, *self._stock_widths, self.args.per_device_train_batch_size,
@@ -828,7 +752,7 @@ class PrefixFlowTrainerMixin:
         apply_prefixflow(model, dataclasses.replace(config_of(unwrap(model)), offload=setting.offload,
                                                     offload_kv=setting.offload_kv,
                                                     prefix_recompute=setting.prefix_recompute))
-        self._metrics["train"]["prefixflow/offload_mode"].append(setting.code)
+        self._metric("prefixflow/offload_mode", setting.code)
         if setting.name != getattr(self, "_stock_mode_logged", None):
             logger.log(logging.INFO if choice.fits else logging.WARNING,
                        "PrefixFlow: prompts held as %r (prefixflow/offload_mode %d): planned %.2f GiB against the "
@@ -841,12 +765,7 @@ class PrefixFlowTrainerMixin:
 
     def _check_merge(self) -> int | None:
         """The microbatches a run may merge: None for 'auto' (`_index_generation`), else the given cap."""
-        limit = self.prefixflow_merge_microbatches
-        if limit == "auto":
-            return None
-        if not str(limit).isdigit() or int(limit) < 1:
-            raise PrefixFlowError(f"prefixflow_merge_microbatches must be 'auto' or a positive integer, got {limit!r}.")
-        return int(limit)
+        return merge_limit(self.prefixflow_merge_microbatches)
 
     def _wave_rows(self, g: BatchGroup, lengths: list[int], device: torch.device):
         """A group's rows of this microbatch (or run), wave by wave (any split is exact). They backpropagate
@@ -872,13 +791,14 @@ class PrefixFlowTrainerMixin:
                 raise
             start = time.perf_counter()
             if self.accelerator.sync_gradients:
-                placement.reduce_gradients(list(self._splits.values()))  # every rank, in the order they opened
+                placement.reduce_gradients(list(self._window.splits.values()))  # every rank, in the order they opened
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
             elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
                 self._close_groups_not_in(self._after_run)
             elif self._run_step is None and not self._deepspeed and self._sp is None:
-                self._close_groups_not_in(self._position_at(self._step))  # under ZeRO and SP, groups stay open
-            self._metrics["train"]["prefixflow/phase_c_s"].append(time.perf_counter() - start)
+                # under ZeRO and SP, groups stay open
+                self._close_groups_not_in(self._position_at(_compat.trl_step(self)))
+            self._metric("prefixflow/phase_c_s", time.perf_counter() - start)
             self._log_host_pool(model)
         self._run_step = None
         self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
@@ -891,8 +811,8 @@ class PrefixFlowTrainerMixin:
         because page-locking in place failed (prefixflow/pin_fallbacks)."""
         pool = host_pool(model)
         if pool is not None:
-            self._metrics["train"]["prefixflow/host_pool_gib"].append(pool.allocated_bytes / 2**30)
-            self._metrics["train"]["prefixflow/pin_fallbacks"].append(float(pool.pin_fallbacks))
+            self._metric("prefixflow/host_pool_gib", pool.allocated_bytes / 2**30)
+            self._metric("prefixflow/pin_fallbacks", float(pool.pin_fallbacks))
 
     def _open_split_groups(self, model, inputs: dict) -> None:
         """Ranks agree on the groups of this microbatch that several of them hold (an all-gather of its prompt keys)
@@ -902,26 +822,26 @@ class PrefixFlowTrainerMixin:
         groups = index_batch(ids, mask, inputs["completion_ids"].shape[1]).groups
         local = {g.key: g for g in groups if len(g.prefix_ids) > 1}
         holders = placement.holders(local)
-        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in self._splits}
+        splits = self._window.splits
+        spread = {key: ranks for key, ranks in holders.items() if len(ranks) > 1 or key in splits}
         for key, ranks in spread.items():
-            if key in self._splits and not set(ranks) <= set(self._splits[key].holders):
+            if key in splits and not set(ranks) <= set(splits[key].holders):
                 raise PrefixFlowError(
-                    f"a group split across processes {self._splits[key].holders} reappeared on processes {ranks} in "
+                    f"a group split across processes {splits[key].holders} reappeared on processes {ranks} in "
                     "the same accumulation window; its prefix K/V live only on the first. " + _WHOLE_GROUPS)
-        if self._session is None:
-            self._session = GroupSession(model).start()
-        for key in sorted(k for k in spread if k not in self._splits):  # the same order on every rank
+        session = self._window.started(model)
+        for key in sorted(k for k in spread if k not in splits):  # the same order on every rank
             g = local.get(key)
             with self.accelerator.autocast():  # Phase A under the waves' autocast, as in `_open_group`
-                self._splits[key] = placement.open_split(self._session, None if g is None else g.prefix_ids,
+                splits[key] = placement.open_split(session, None if g is None else g.prefix_ids,
                                                          spread[key], position_offset=key[0])
-        self._metrics["train"]["prefixflow/split_groups"].append(float(sum(len(r) > 1 for r in spread.values())))
+        self._metric("prefixflow/split_groups", float(sum(len(r) > 1 for r in spread.values())))
 
     def _end_boundary(self) -> None:
         if not (self._deepspeed or self._fsdp):
             self._end_session()
             return
-        session, self._session, self._open = self._session, None, {}
+        session, self._window.session, self._window.open_groups = self._window.session, None, {}
         fsdp.check_same_schedule(self.model, "the prefix groups closing at the boundary",
                                  [len(session.groups) if session else 0])
         fed = 0
@@ -953,35 +873,40 @@ class PrefixFlowTrainerMixin:
 
     def _close_groups_not_in(self, position: int | None) -> None:
         """Phase C for the open groups that the buffered microbatch at `position` (None: none) does not read."""
-        if self._session is None:
+        window = self._window
+        if window.session is None:
             return
         keep = set() if position is None else {g.key for g in self._microbatch_index(position).groups}
-        closing = [key for key in self._open if key[:2] not in keep]  # an image group's key: prompt key + number
+        # an image group's key: prompt key + number
+        closing = [key for key in window.open_groups if key[:2] not in keep]
         fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
-        self._session.close([self._open.pop(key) for key in closing])
+        window.session.close([window.open_groups.pop(key) for key in closing])
 
     def _position_at(self, step: int) -> int | None:
         """The buffer position TRL's microbatch `step` trains, unless a new generation comes first (None)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._buffered_inputs is None or step % generate_every == 0:
+        if _compat.buffered_inputs(self) is None or step % generate_every == 0:
             return None
         return step % self.args.steps_per_generation
 
     def _end_session(self, exc: BaseException | None = None) -> None:
-        session, self._session = self._session, None
-        self._open, self._splits = {}, {}
+        session, self._window = self._window.session, OpenWindow()
         self._follow, self._served, self._run_step = [], None, None
         if session is not None:
             session.finish(exc)
 
     # -- metrics -----------------------------------------------------------------------------------------------
 
+    def _metric(self, name: str, value: float, mode: str = "train") -> None:
+        """One value of a metric TRL logs as its mean over the logging step."""
+        _compat.trl_metrics(self, mode)[name].append(value)
+
     def _count_fallback(self, reason: str, rows: int) -> None:
         mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["prefixflow/fallback_rows"].append(float(rows))
+        self._metric("prefixflow/fallback_rows", float(rows), mode)
         afresh = reason.startswith(routing.FALLBACK)  # MoE rows that route afresh instead of replaying generation's
         if afresh:
-            self._metrics[mode]["prefixflow/routing_fallbacks"].append(float(rows))
+            self._metric("prefixflow/routing_fallbacks", float(rows), mode)
         if not self._fallbacks[reason] and afresh:
             logger.warning("PrefixFlow: %s; counted in prefixflow/routing_fallbacks and fallback_rows.", reason)
         elif not self._fallbacks[reason]:
@@ -998,7 +923,7 @@ class PrefixFlowTrainerMixin:
         full = sum(self._shape.full_sequence(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
         shared = sum(self._shape.prefixflow(len(g.prefix_ids), [lengths[r] for r in g.rows]) for g in groups)
         prefix = "prefixflow/" if training else "prefixflow/scoring_"
-        metrics = self._metrics[mode]
+        metrics = _compat.trl_metrics(self, mode)
         metrics[prefix + "groups"].append(float(len(groups)))
         metrics[prefix + "prefix_ratio"].append(prefix_tokens / max(prefix_tokens + suffix_tokens, 1))
         metrics[prefix + "tokens_saved"].append(float(sum(len(g.prefix_ids) * (len(g.rows) - 1) for g in groups)))
@@ -1008,6 +933,24 @@ class PrefixFlowTrainerMixin:
 
 _WHOLE_GROUPS = ("keep groups whole per process: make per_device_train_batch_size * steps_per_generation a multiple "
                  "of num_generations.")
+
+
+@dataclass(frozen=True)
+class WaveInputs:
+    """What every suffix wave of a batch takes its rows from: the completions and their mask `[B, C]`, their
+    recorded routes (`[B, layers, C, k]`, None: routed afresh), each row's completion length, whether entropies are
+    wanted, and the router-logit parts the load-balancing loss collects (None: not computed; waves append)."""
+
+    completions: torch.Tensor
+    completion_mask: torch.Tensor
+    suffix_routes: torch.Tensor | None
+    lengths: list[int]
+    compute_entropy: bool
+    aux_parts: list | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.completion_mask.device
 
 
 def _pack(labels: torch.Tensor, lengths: list[int]) -> torch.Tensor:

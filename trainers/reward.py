@@ -268,7 +268,7 @@ class PrefixFlowRewardTrainer(PairTrainerMixin, RewardTrainer):
 
     def _log_groups(self, pairs: list[Pair], training: bool, seconds: float) -> None:
         mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
+        metrics = _compat.trl_metrics(self, mode)
         prefix = "prefixflow/" if training else "prefixflow/scoring_"
         metrics[prefix + "groups"].append(float(len(pairs)))
         metrics[prefix + "tokens_saved"].append(float(sum(p.shared for p in pairs)))

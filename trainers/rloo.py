@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig, RLOOTrainer
 
-from .mixin import PrefixFlowArguments, PrefixFlowTrainerMixin
+from .config import PrefixFlowArguments
+from .mixin import PrefixFlowTrainerMixin
 
 
 @dataclass

@@ -12,6 +12,7 @@ Groups stay open until the optimizer step, when one Phase C closes them in the s
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from hf_prefixflow.core.scheduler import GroupSession
 from hf_prefixflow.distributed import ulysses
 
 from .grouping import index_batch
+from .window import OpenWindow
 
 PoolRows = list[tuple[torch.Tensor, torch.Tensor, int]]
 
@@ -50,11 +52,6 @@ def setup(trainer, size: int) -> ulysses.SequenceParallel | None:
             f"examples/accelerate/ulysses_sp2.yaml), not {trainer.accelerator.distributed_type}; DeepSpeed ZeRO and "
             "FSDP with sequence parallelism are not supported yet."
         )
-    if getattr(trainer.args, "prefixflow_layout", "padded") != "padded":
-        raise PrefixFlowError("sequence parallelism runs padded waves; set prefixflow_layout='padded'.")
-    if getattr(trainer.args, "prefixflow_wave_size", None) is not None:
-        raise PrefixFlowError("under sequence parallelism a group's rows run as one sharded wave; leave "
-                              "prefixflow_wave_size=None.")
     ulysses.check_model(trainer.model, size)
     if trainer.ref_model is not None:
         ulysses.check_model(trainer.ref_model, size)
@@ -85,15 +82,17 @@ def pool_rows(sp: ulysses.SequenceParallel, input_ids: torch.Tensor, attention_m
     return pooled
 
 
-def logps(trainer, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+def logps(window: OpenWindow, sp: ulysses.SequenceParallel, autocast: Callable[[], ContextManager], model,
+          input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
           compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-    """`_get_per_token_logps_and_entropies` under SP: this rank's rows, computed with its SP group."""
-    sp, training = trainer._sp, torch.is_grad_enabled()
+    """`_get_per_token_logps_and_entropies` under SP: this rank's rows, computed with its SP group; training opens
+    its groups in `window` (they stay open until the optimizer step), scoring in a session of its own. `autocast`:
+    the trainer's mixed-precision context (`accelerator.autocast`)."""
+    training = torch.is_grad_enabled()
     pooled = pool_rows(sp, input_ids, attention_mask, logits_to_keep)
-    if training and trainer._session is None:
-        trainer._session = GroupSession(model).start()
-    with contextlib.nullcontext(trainer._session) if training else GroupSession(model) as session:
-        per_rank = [_rank_rows(trainer, session, model, rank, *rows, compute_entropy, training)
+    with contextlib.nullcontext(window.started(model)) if training else GroupSession(model) as session:
+        opened = window.open_groups if training else None
+        per_rank = [_rank_rows(sp, autocast, session, opened, model, rank, *rows, compute_entropy)
                     for rank, rows in enumerate(pooled)]
     # One tensor of every rank's rows: its slice below still backpropagates (zeros) through the other ranks' gathers,
     # so every rank runs the same collectives in its backward.
@@ -108,21 +107,23 @@ def logps(trainer, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return mine(0), (mine(1) if compute_entropy else None), None
 
 
-def _rank_rows(trainer, session: GroupSession, model, rank: int, ids: torch.Tensor, mask: torch.Tensor, keep: int,
-               compute_entropy: bool, training: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) `[B, keep]` of one SP rank's rows, every group sharded over the SP group."""
+def _rank_rows(sp: ulysses.SequenceParallel, autocast: Callable[[], ContextManager], session: GroupSession,
+               opened: dict | None, model, rank: int, ids: torch.Tensor, mask: torch.Tensor, keep: int,
+               compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) `[B, keep]` of one SP rank's rows, every group sharded over the SP group; groups
+    are kept in and reused from `opened` (training), else fresh."""
     completions, completion_mask = ids[:, -keep:], mask[:, -keep:]
     rows, logp_parts, entropy_parts = [], [], []
     for g in index_batch(ids, mask, keep).groups:
         key = (rank, g.key)
-        group = trainer._open.get(key) if training else None
+        group = opened.get(key) if opened is not None else None
         if group is None:
-            with trainer.accelerator.autocast():
-                group = session.add(ulysses.UlyssesGroup(model, g.prefix_ids, trainer._sp, g.position_offset))
-            if training:
-                trainer._open[key] = group
+            with autocast():
+                group = session.add(ulysses.UlyssesGroup(model, g.prefix_ids, sp, g.position_offset))
+            if opened is not None:
+                opened[key] = group
         wave_ids, wave_mask = completions[g.rows], completion_mask[g.rows]
-        with trainer.accelerator.autocast():
+        with autocast():
             out = group(wave_ids, attention_mask=wave_mask, shift_labels=wave_ids.masked_fill(wave_mask == 0, -100),
                         fused_lm_head=True)
         rows += g.rows
