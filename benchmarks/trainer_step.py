@@ -158,12 +158,17 @@ def prefix_length(ratio: float, completion: int) -> int:
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+def is_hybrid(config) -> bool:
+    """Whether recurrent layers replace attention in some of `config`'s (text) layers."""
+    return any(kind not in ATTENTION_KINDS for kind in getattr(config, "layer_types", None) or ())
+
+
 def step_flop_ratio(model: torch.nn.Module, completion: float, n: int):
     """The FLOP ratio of a group of `n` completions of `completion` tokens as a function of the prompt length:
     `planning.flops` for attention-only models, per-layer costs (`hybrid_group.flop_ratio`) where recurrent layers
     replace attention."""
     config = model.config.get_text_config()
-    if any(kind not in ATTENTION_KINDS for kind in getattr(config, "layer_types", None) or ()):
+    if is_hybrid(config):
         from hybrid_group import flop_ratio as hybrid_ratio  # benchmarks/hybrid_group.py
 
         layers_model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -178,7 +183,7 @@ def compute_ratio(config, prefix: int, completion: float, n: int, checkpointing:
     checkpointing the stock trainer runs every layer's forward twice; PrefixFlow recomputes the prompt's layers in
     Phase C and its completions' only where `prefixflow_suffix_checkpointing` chose to (else it keeps them)."""
     text = config.get_text_config()
-    if any(kind not in ATTENTION_KINDS for kind in getattr(text, "layer_types", None) or ()):
+    if is_hybrid(text):
         return None
     shape, rows = ModelShape.from_config(text), [completion] * n
     stock = shape.full_sequence(prefix, rows) + (shape.full_sequence(prefix, rows, train=False) - sum(
