@@ -47,13 +47,18 @@ SHAPES = {
 }
 
 
-def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def build(shape: str, dtype: torch.dtype, device: str, layers: int | None = None) -> torch.nn.Module:
+    """A random-weight model of `shape`'s layer pattern; `layers` keeps only its first layers (a quick warm-up)."""
     model_type, class_name, options = SHAPES[shape]
     options = dict(options)
     if "layer_types" in options and options["layer_types"] is not None and model_type == "qwen3_5_text":
         options["layer_types"] = options["layer_types"] * (options["num_hidden_layers"] // 4)
     if model_type == "nemotron_h":
         options["num_hidden_layers"] = len(options["layers_block_type"])
+    if layers is not None:
+        key = "layer_types" if model_type == "qwen3_5_text" else "layers_block_type"
+        options[key] = options[key][:layers]
+        options["num_hidden_layers"] = layers
     config = AutoConfig.for_model(model_type, **options)
     config.use_cache = False
     torch.manual_seed(0)
@@ -156,12 +161,12 @@ def kernels(model: torch.nn.Module) -> str:
 
 
 def speed(args) -> dict:
-    model = build(args.shape, torch.bfloat16, "cuda")
+    model = build(args.shape, torch.bfloat16, "cuda", args.layers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     prefix, suffixes, weights = data(model.config.vocab_size, args.prefix, args.suffix, args.n, "cuda")
     pf_model = hf_prefixflow.apply_prefixflow(model)
-    row = dict(shape=args.shape, prefix=args.prefix, suffix=args.suffix, n=args.n, wave=args.wave,
+    row = dict(shape=args.shape, layers=len(model.model.layers), prefix=args.prefix, suffix=args.suffix, n=args.n, wave=args.wave,
                kernels=kernels(model),
                checkpointing="full (non-reentrant), both sides",
                params_b=sum(p.numel() for p in model.parameters()) / 1e9,
@@ -169,7 +174,11 @@ def speed(args) -> dict:
     for name, fn in (("full_sequences", lambda: full_sequences(model, prefix, suffixes, weights, False)),
                      ("prefixflow", lambda: prefixflow(pf_model, prefix, suffixes, weights, args.wave))):
         model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
         fn()  # warm-up (Triton compilation)
+        torch.cuda.synchronize()
+        row[f"{name}_warmup_s"] = time.perf_counter() - start
+        print(name, f"warm-up {row[f'{name}_warmup_s']:.1f} s", flush=True)
         model.zero_grad(set_to_none=True)
         times, peak = timed(lambda: (model.zero_grad(set_to_none=True), fn()), args.repeats)
         row[f"{name}_s"] = times
@@ -215,6 +224,52 @@ def criterion_rows(args) -> list[dict]:
     return rows
 
 
+def kernel_check(args) -> list[dict]:
+    """The fused gated delta rule (flash-linear-attention) against transformers' PyTorch reference, float32 on the
+    GPU, from a nonzero initial state: the output, the final state and every input's gradient, the initial state's
+    included (PrefixFlow's Phase C needs it). The broken variant detaches the initial state in the fused call."""
+    module = __import__("transformers.models.qwen3_5.modeling_qwen3_5", fromlist=["_"])
+    fused = module.torch_chunk_gated_delta_rule
+    reference = getattr(fused, "__wrapped__", fused)
+    if fused.__closure__ is None or dict(zip(fused.__code__.co_freevars, fused.__closure__))[
+            "implementation"].cell_contents is reference:
+        raise SystemExit("kernel check: no fused gated delta rule is installed (flash-linear-attention)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, tokens, k_heads, v_heads, dim = 2, args.check_tokens, 4, 8, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    inputs = dict(query=rand(batch, tokens, k_heads, dim), key=rand(batch, tokens, k_heads, dim),
+                  value=rand(batch, tokens, v_heads, dim), g=-torch.rand(batch, tokens, v_heads, device="cuda",
+                                                                         generator=gen) * 0.1,
+                  beta=torch.rand(batch, tokens, v_heads, device="cuda", generator=gen),
+                  initial_state=rand(batch, v_heads, dim, dim) * 0.1)
+    upstream = (rand(batch, tokens, v_heads, dim), rand(batch, v_heads, dim, dim))
+
+    def run(fn, detach_state: bool):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        call = dict(leaves, initial_state=leaves["initial_state"].detach() if detach_state
+                    else leaves["initial_state"])
+        out, state = fn(**call, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        ((out * upstream[0]).sum() + (state * upstream[1]).sum()).backward()
+        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
+        return dict(output=out.detach(), final_state=state.detach(), **{f"grad_{k}": g for k, g in grads.items()})
+
+    want = run(reference, False)
+    rows = []
+    for variant, detach in (("correct", False), ("initial-state-detached", True)):
+        got = run(fused, detach)
+        errors = {k: ((got[k].double() - want[k].double()).norm() / want[k].double().norm()).item() for k in want}
+        worst = max(errors, key=errors.get)
+        passed = errors[worst] <= args.check_tolerance
+        rows.append(dict(variant=variant, tokens=tokens, relative_errors=errors, worst=worst,
+                         worst_error=errors[worst], tolerance=args.check_tolerance, passed=passed,
+                         verdict=criterion.verdict(passed, variant != "correct")))
+        print(rows[-1], flush=True)
+    return rows
+
+
 @contextlib.contextmanager
 def _variant(name: str):
     if name == "correct":
@@ -239,17 +294,28 @@ def main() -> None:
     parser.add_argument("--crit-prefix", type=int, default=1024)
     parser.add_argument("--crit-suffix", type=int, default=256)
     parser.add_argument("--crit-n", type=int, default=4)
+    parser.add_argument("--layers", type=int, help="keep only the first layers of the shape (a quick warm-up)")
+    parser.add_argument("--kernel-check", action="store_true",
+                        help="only: the fused gated delta rule against the PyTorch reference (float32)")
+    parser.add_argument("--check-tokens", type=int, default=333)
+    parser.add_argument("--check-tolerance", type=float, default=1e-2)
     parser.add_argument("--criterion-only", action="store_true")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "transformers": transformers.__version__}
+    if args.kernel_check:
+        result["kernel_check"] = kernel_check(args)
+        with open(os.path.join(args.out, "kernel_check_gated_delta_rule.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return
     if not args.speed_only:
         result["criterion"] = criterion_rows(args)
     if not args.criterion_only:
         result["speed"] = speed(args)
-    with open(os.path.join(args.out, f"hybrid_group_{args.shape}.json"), "w") as f:
+    suffix = f"_{args.layers}layers" if args.layers else ""
+    with open(os.path.join(args.out, f"hybrid_group_{args.shape}{suffix}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -36,6 +36,11 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                        vocab_size=151936, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
+    # Nemotron-H's pattern (Mamba2 and MLP layers, attention in every sixth), 1.2B parameters
+    "nemotron-h-1b": dict(model_type="nemotron_h", hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                          num_key_value_heads=4, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+                          ssm_state_size=128, chunk_size=128, vocab_size=131072, num_hidden_layers=24,
+                          layers_block_type=["mamba", "mlp", "mamba", "mlp", "attention", "mlp"] * 4),
 }
 
 
