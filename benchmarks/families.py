@@ -10,9 +10,12 @@ cuts to layers covering every kind in `layer_types`; a sliding window where the 
 without a query rank), handed to `apply_prefixflow` and, if accepted, trained on random groups with random suffix
 lengths and waves (padded and packed) next to full-sequence training: loss, every gradient and each SGD update
 within 1e-5 relative (`tests/equivalence.py`). Outcomes: `exact`, `refused` (the PrefixFlowError), `no tiny config`,
-`not a decoder-only causal LM`; anything else is a bug: `ACCEPTED-AND-WRONG`, `FAILED-AFTER-ACCEPT`, `APPLY-CRASHED`
-(apply raised something other than a PrefixFlowError) or `TIMED-OUT`. Each family runs in a forked child under a
-deadline, `--jobs` at a time.
+`not a decoder-only causal LM` (encoders, encoder-decoders, draft models fed another model's K/V), `library not
+installed` (a model that needs an optional library this environment lacks, e.g. Gemma 3n's timm vision tower);
+anything else is a bug: `ACCEPTED-AND-WRONG`, `FAILED-AFTER-ACCEPT`, `APPLY-CRASHED` (apply raised something other
+than a PrefixFlowError) or `TIMED-OUT`. Families whose default config transformers itself cannot build or run
+(`CHECKPOINT_OPTIONS`) are built with the options their checkpoints carry, and their row says so. Each family runs
+in a forked child under a deadline, `--jobs` at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import inspect
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 import traceback
@@ -44,9 +48,10 @@ from equivalence import random_group, random_plan, train_side_by_side  # noqa: E
 from hf_prefixflow import PrefixFlowError  # noqa: E402
 from hf_prefixflow.core import states  # noqa: E402
 from hf_prefixflow.core import moe
-from hf_prefixflow.models import tiny as tiny_copy
+from hf_prefixflow.models import structure, tiny as tiny_copy
 
 EXACT, REFUSED, NO_TINY, NOT_DECODER = "exact", "refused", "no tiny config", "not a decoder-only causal LM"
+NO_LIBRARY = "library not installed"
 WRONG, FAILED, APPLY_CRASHED, TIMED_OUT = "ACCEPTED-AND-WRONG", "FAILED-AFTER-ACCEPT", "APPLY-CRASHED", "TIMED-OUT"
 BUGS = (WRONG, FAILED, APPLY_CRASHED, TIMED_OUT)
 
@@ -56,6 +61,27 @@ BUGS = (WRONG, FAILED, APPLY_CRASHED, TIMED_OUT)
 IMAGE_TEXT_TYPES = ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
                     "idefics2", "idefics3", "smolvlm", "paligemma", "mistral3", "aya_vision", "internvl", "glm4v",
                     "lfm2_vl")
+# Families transformers cannot build or run a model of from their default config, at any size, and the options their
+# checkpoints' configs carry with which it can: (options, why the defaults fail). The row names both, and the default
+# config's failure as it happens (so a transformers release that fixes it shows).
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+CHECKPOINT_OPTIONS = {
+    "cohere_compass_text": (
+        {"rope_parameters": {"full_attention": _ROPE, "sliding_attention": _ROPE}},
+        "CohereCompassRotaryEmbedding reads rope_parameters[layer type] for each layer type, and the default "
+        "config's rope_parameters hold no entry per layer type; its checkpoints give each layer type its RoPE"),
+    "dbrx": (
+        {"attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "rope_theta": 500000.0},
+         "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}},
+        "DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig no longer declares, and clamps Q, K "
+        "and V to attn_config.clip_qkv, whose default None makes torch.clamp raise (RuntimeError: torch.clamp: At "
+        "least one of 'min' or 'max' must not be None); DBRX checkpoints' attn_config carries both (dbrx-instruct's: "
+        "clip_qkv 8, kv_n_heads 8, rope_theta 500000, with 16 experts, 4 per token)"),
+    "gemma4_assistant": (
+        {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+        "its default text config is Gemma 4 E2B's, with per-layer inputs, which Gemma4AssistantConfig's own "
+        "validation refuses; its checkpoints' text configs have none"),
+}
 DOCS = ROOT / "docs" / "families.md"
 RESULTS = ROOT / "benchmarks" / "results" / "families" / "families.json"
 COMMAND = "python benchmarks/families.py"
@@ -68,12 +94,14 @@ def families() -> list[tuple[str, str, str]]:
     return causal + [(t, image_text[t], "image-text") for t in IMAGE_TEXT_TYPES if t in image_text]
 
 
-def not_decoder_only(model_type: str, config) -> str | None:
-    """Why a causal-LM entry is no decoder-only model, or None."""
+def not_decoder_only(model_type: str, config, model_cls: type | None = None) -> str | None:
+    """Why a causal-LM entry is no (standalone) decoder-only model, or None."""
     if getattr(config, "is_encoder_decoder", False):
         return "the decoder half of an encoder-decoder model (config.is_encoder_decoder)"
     if model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "an encoder (masked-LM) family whose causal head runs the encoder as a decoder"
+    if model_cls is not None and structure.not_standalone(model_cls, config) is not None:
+        return "not a standalone decoder-only causal LM: a draft model fed another model's K/V"
     return None
 
 
@@ -142,11 +170,14 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
         with torch.no_grad():
             model(input_ids=torch.tensor([[3, 4, 5, 6]]))
     except Exception as exc:  # noqa: BLE001 - any failure to build or run is "no tiny config", with its reason
+        library = missing_library(exc)
+        if library is not None:
+            return NO_LIBRARY, _no_library(model_cls, config, library, exc), ""
         full_size = at_full_size(model_cls, config)
         if full_size.startswith(REFUSED_AT_FULL_SIZE) and "could not verify" not in full_size:
             # its structure is refused before any probe: the outcome a user sees, whatever the tiny copy does
-            return REFUSED, (full_size.removeprefix(REFUSED_AT_FULL_SIZE).strip() + f" (no tiny copy could be built: "
-                             f"{_message(exc)[:200].rstrip('.')}.)"), ""
+            return REFUSED, (full_size.removeprefix(REFUSED_AT_FULL_SIZE).strip() + " (no tiny copy could be built or "
+                             f"run: {_message(exc)[:200].rstrip('.')}.)"), ""
         return NO_TINY, _message(exc)[:300].rstrip(".") + ". " + full_size, ""
     replay = router_column(model)
     try:
@@ -176,6 +207,23 @@ def _run_variant(model_cls: type, config, seed: int) -> tuple[str, str, str]:
 REFUSED_AT_FULL_SIZE = "At full size apply_prefixflow refuses it:"
 
 
+def missing_library(exc: BaseException) -> str | None:
+    """The optional library whose absence `exc` reports (transformers' `requires_backends`), or None."""
+    match = re.search(r"requires the (\S+) library but it was not found", str(exc))
+    return match.group(1) if isinstance(exc, ImportError) and match else None
+
+
+def _no_library(model_cls: type, config, library: str, exc: BaseException) -> str:
+    """The detail of a family that needs a library this environment lacks: which, and the row of its text decoder
+    where that is a causal LM of its own."""
+    text = config.get_text_config()
+    own = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(text, "model_type", None))
+    decoder = f" Its text decoder, {own}, is swept as {text.model_type}." if text is not config and own else ""
+    reported = _message(exc).split(" You can install it")[0]
+    return (f"{model_cls.__name__} needs the {library} library ({reported}), which the dev extra does not install: "
+            f"the sweep covers this family only where {library} is installed.{decoder}")
+
+
 def at_full_size(model_cls: type, config) -> str:
     """What `apply_prefixflow` does with the family at its configured size, built on the meta device."""
     try:
@@ -198,20 +246,22 @@ def _last_frame(exc: BaseException) -> str:
 
 
 def run_family(model_type: str, class_name: str, source: str) -> dict:
-    """One row: the family's outcome over its option variants."""
+    """One row: the family's outcome over its option variants (on top of `CHECKPOINT_OPTIONS`, where the family
+    has them)."""
     row = {"model_type": model_type, "class": class_name, "source": source, "moe": "", "variants": []}
+    base, why = CHECKPOINT_OPTIONS.get(model_type, ({}, ""))
     try:
         model_cls = getattr(transformers, class_name)
-        config = CONFIG_MAPPING[model_type]()
-        reason = not_decoder_only(model_type, config)
+        config = CONFIG_MAPPING[model_type](**base)
         config_cls = _own_config(model_cls, config)
-        variants = option_variants(model_cls, config_cls())
+        reason = not_decoder_only(model_type, config, model_cls)
+        variants = option_variants(model_cls, config_cls(**base))
     except Exception as exc:  # noqa: BLE001
         return {**row, "outcome": NO_TINY, "detail": f"default config or class: {_message(exc)[:400]}"}
     for name, options in variants:
         start = time.perf_counter()
         try:
-            variant_config = config_cls(**options)
+            variant_config = config_cls(**{**base, **options})
         except Exception as exc:  # noqa: BLE001
             outcome, detail, replay = NO_TINY, f"the config rejects {options}: {_message(exc)[:300]}", ""
         else:
@@ -219,7 +269,24 @@ def run_family(model_type: str, class_name: str, source: str) -> dict:
         row["moe"] = row["moe"] or replay
         row["variants"].append({"name": name, "options": options, "outcome": outcome, "detail": detail,
                                 "seconds": round(time.perf_counter() - start, 2)})
-    return {**row, **summarise(row["variants"], reason)}
+    summary = summarise(row["variants"], reason)
+    if base:
+        summary["detail"] = f"{default_config_failure(model_cls, config_cls)}: {why}. With {base}: {summary['detail']}"
+    return {**row, **summary}
+
+
+def default_config_failure(model_cls: type, config_cls: type) -> str:
+    """How transformers fails to build and run `model_cls` from `config_cls`'s defaults at tiny sizes (the first
+    exception), or that it no longer does (then `CHECKPOINT_OPTIONS` can lose the family)."""
+    try:
+        with tiny_copy.float64_throughout():
+            model = tiny_copy.build_tiny(model_cls, config_cls(), "eager")
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    except Exception as exc:  # noqa: BLE001
+        return f"transformers cannot build or run {model_cls.__name__} from its default config ({_message(exc)[:200]})"
+    return (f"transformers now builds and runs {model_cls.__name__} from its default config (CHECKPOINT_OPTIONS can "
+            "drop it)")
 
 
 def _own_config(model_cls: type, config) -> type:
@@ -236,7 +303,7 @@ def _own_config(model_cls: type, config) -> type:
 def summarise(variants: list[dict], not_decoder: str | None) -> dict:
     """The family's one outcome: a bug in any variant; else refused if any configuration is refused (the detail
     says which), exact if any is exact, else no tiny config."""
-    rank = {**{bug: 0 for bug in BUGS}, REFUSED: 1, EXACT: 2, NO_TINY: 3}
+    rank = {**{bug: 0 for bug in BUGS}, REFUSED: 1, EXACT: 2, NO_LIBRARY: 3, NO_TINY: 4}
     main = min(variants, key=lambda v: rank[v["outcome"]])
     if len(variants) == 1:
         detail = main["detail"]
@@ -337,8 +404,13 @@ def markdown(rows: list[dict], command: str) -> str:
         "- `refused`: `apply_prefixflow` raised `PrefixFlowError` (at full size, for a family no tiny copy of which "
         "could be built), or the first group did before any step (the message is the detail).",
         "- `no tiny config`: no tiny random model of the family could be built or run (the reason is the detail).",
-        "- `not a decoder-only causal LM`: an encoder or encoder-decoder family (what `apply_prefixflow` does with it",
-        "  is in the detail).",
+        "- `not a decoder-only causal LM`: an encoder or encoder-decoder family, or a draft model fed another",
+        "  model's K/V (what `apply_prefixflow` does with it is in the detail).",
+        "- `library not installed`: the model needs an optional library the dev extra does not install (which one",
+        "  is in the detail); the sweep covers it where that library is installed.",
+        "- Where transformers cannot build or run a family from its default config at any size, the family is built",
+        "  with the options its checkpoints carry (`CHECKPOINT_OPTIONS` in `benchmarks/families.py`), and the detail",
+        "  names transformers' failure and the options.",
         "- MoE: the routers of MoE families, and whether rollout routing replay (`hf_prefixflow.core.moe.ADAPTERS`)",
         "  covers them. Without replay an MoE family still trains exactly here: each token routes by its own hidden",
         "  state, the same in both runs.",

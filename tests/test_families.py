@@ -86,3 +86,12 @@ def test_broken_without_the_float64_fill_xglm_has_no_tiny_copy(monkeypatch):
     monkeypatch.setattr(tiny_copy, "_beyond_float32", lambda value: False)
     found, detail, _ = run("xglm", {})
     assert found == families.NO_TINY and "overflow" in detail
+
+
+def test_the_committed_sweep_built_every_family():
+    """Issue #41: no family is left at "no tiny config"; a family transformers cannot run from its defaults is built
+    with its checkpoints' options (`families.CHECKPOINT_OPTIONS`), and one needing a library the dev extra lacks
+    says which."""
+    rows = json.loads((ROOT / "benchmarks" / "results" / "families" / "families.json").read_text())["families"]
+    assert [r["model_type"] for r in rows if r["outcome"] == families.NO_TINY] == []
+    assert {r["model_type"] for r in rows if r["outcome"] == families.NO_LIBRARY} <= {"gemma3n"}

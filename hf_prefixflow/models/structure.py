@@ -64,6 +64,7 @@ def check_structure(model: PreTrainedModel) -> None:
     naming the layer or module and why."""
     owner = type(model).__name__
     text_config = model.config.get_text_config()
+    check_standalone(model)
     layers = [layer for _, layer in decoder_layers(model)]
     for index, kind in enumerate(getattr(text_config, "layer_types", None) or []):
         if kind in STATE_LAYER_TYPES and index < len(layers) and _carries_state(layers[index]):
@@ -112,6 +113,34 @@ def check_structure(model: PreTrainedModel) -> None:
                 "output), where full sequences give them a zero one, which optimizers with momentum or weight "
                 "decay still act on. Train this model with the plain trainer."
             )
+
+
+def not_standalone(model_cls: type, config) -> str | None:
+    """Why `model_cls` on `config` is no standalone decoder-only causal LM, or None: a draft model for assisted
+    decoding (Gemma 4's assistants), every layer of which attends to K/V another model computed (its config shares
+    K/V across all its layers, `num_kv_shared_layers` >= `num_hidden_layers`), passed in with that model's hidden
+    states, so no layer computes K/V from the model's own tokens."""
+    text = config.get_text_config()
+    shared, layers = (getattr(text, name, None) for name in ("num_kv_shared_layers", "num_hidden_layers"))
+    if not (isinstance(shared, int) and isinstance(layers, int) and 0 < layers <= shared):
+        return None
+    inputs = inspect.signature(model_cls.forward).parameters
+    fed = (", which its forward takes as `shared_kv_states` with that model's hidden states as `inputs_embeds`"
+           if "shared_kv_states" in inputs else "")
+    return (f"every one of its {layers} layers attends to K/V that another model computed (num_kv_shared_layers "
+            f"{shared}, num_hidden_layers {layers}){fed}, so no layer computes K/V from the model's own tokens: a "
+            "draft model for assisted decoding, run beside its target model")
+
+
+def check_standalone(model: PreTrainedModel) -> None:
+    """Refuse a model that is no standalone decoder-only causal LM (`not_standalone`)."""
+    why = not_standalone(type(model), model.config)
+    if why is not None:
+        raise PrefixFlowError(
+            f"{type(model).__name__} is not a standalone decoder-only causal LM: {why}. PrefixFlow runs a prompt's "
+            "forward once and trains completions against the K/V each layer computed from that prompt; this model "
+            "has no such K/V, and does not train from token ids alone."
+        )
 
 
 @functools.lru_cache(maxsize=None)

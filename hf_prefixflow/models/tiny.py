@@ -48,6 +48,8 @@ _TOWER_SIZES = {
     "embed_dim": 32, "out_hidden_size": 32, "projection_dim": 32, "vision_output_dim": 32, "mlp_dim": 48,
     "projector_hidden_size": 32, "num_hidden_layers": 2, "depth": 2, "num_layers": 2, "num_blocks": 2,
     "num_key_value_heads": 4, "hidden_size_global": 32,
+    # the text config's own parts, shrunk as towers (DBRX's ffn_config; `_fit_part_configs`)
+    "ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2,
 }
 _MAX_LAYERS = 8
 VOCAB = 97
@@ -72,6 +74,8 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
                 if isinstance(current, int) and not isinstance(current, bool) and current > value:
                     _set(tower, name, value)
     _shrink_text(text)
+    _fit_part_configs(text)
+    _fit_patch_widths(config)
     for name, value in vars(text).items():  # extra vocabularies (hashed n-grams, per-layer inputs) too
         if re.search(r"vocab(_size)?$", name) and isinstance(value, int) and value > VOCAB:
             setattr(text, name, VOCAB)
@@ -111,7 +115,8 @@ def _shrink_text(text: PretrainedConfig) -> None:
         shared = config_value(text, "num_kv_shared_layers")
         if isinstance(shared, int) and shared > 0:  # the last layers reuse earlier layers' K/V: keep both kinds
             keep = min(layers, 2 * keep)
-            text.num_kv_shared_layers = keep // 2
+            # (all of them where all share K/V another model computed: a draft model's, `structure.not_standalone`)
+            text.num_kv_shared_layers = keep if shared >= layers else keep // 2
         kept = list(range(keep)) if isinstance(shared, int) and shared > 0 else _kept_layers(kinds, keep)
         keep = len(kept)
         _split_layer_groups(text, layers, keep)
@@ -153,6 +158,49 @@ def _shrink_per_layer_overrides(text: PretrainedConfig, before: dict) -> None:
                 overrides[name] = max(1, tiny // 2)
             else:
                 overrides[name] = tiny
+
+
+# Sizes a text config's own parts (sub-configs of the text config itself, shrunk with the towers) take from it:
+# DBRX's attention reads its key/value heads from `attn_config.kv_n_heads`, which its config copies to
+# `num_key_value_heads`, and copies `d_model` into `ffn_config.hidden_size`.
+_PART_SIZES = {"kv_n_heads": "num_key_value_heads", "hidden_size": "hidden_size"}
+
+
+def _fit_part_configs(text: PretrainedConfig) -> None:
+    """The text config's parts (DBRX's `attn_config` and `ffn_config`) take the sizes they share with it from the
+    tiny text config (`_PART_SIZES`)."""
+    for name in getattr(text, "sub_configs", None) or {}:
+        part = vars(text).get(name)
+        if not isinstance(part, PretrainedConfig) or part is text:
+            continue
+        for own, source in _PART_SIZES.items():
+            value = config_value(text, source)
+            if isinstance(config_value(part, own), int) and isinstance(value, int) and not isinstance(value, bool):
+                setattr(part, own, value)
+
+
+def _fit_patch_widths(config: PretrainedConfig) -> None:
+    """Widths one nested config takes from another, in byte-to-patch models (BLT): the local encoder hands the
+    global transformer `cross_attn_k` patch embeddings of its own width per patch, which the global transformer reads
+    as they are where that is its own width (`encoder_cross_output_size` None, BLT's default) or through a projection
+    from `encoder_cross_output_size`; the local encoder and decoder read the global width as `hidden_size_global`.
+    The towers shrink to one width each, which breaks these: the tiny global transformer is `cross_attn_k` times the
+    tiny encoder's width where it was at full size (else its projection reads the tiny product), and
+    `hidden_size_global` follows it."""
+    encoder, global_ = (getattr(config, name, None) for name in ("encoder_config", "global_config"))
+    k = getattr(config, "cross_attn_k", None)
+    if not (isinstance(encoder, PretrainedConfig) and isinstance(global_, PretrainedConfig) and isinstance(k, int)
+            and _has(global_, "encoder_cross_output_size")):
+        return
+    if global_.encoder_cross_output_size is None:
+        global_.hidden_size = encoder.hidden_size * k
+        if isinstance(config_value(global_, "head_dim"), int):
+            global_.head_dim = global_.hidden_size // global_.num_attention_heads
+    else:
+        global_.encoder_cross_output_size = encoder.hidden_size * k
+    for tower in nested_configs(config):
+        if isinstance(config_value(tower, "hidden_size_global"), int):
+            tower.hidden_size_global = global_.hidden_size
 
 
 def _fit_mamba_heads(text: PretrainedConfig) -> None:
