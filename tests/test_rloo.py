@@ -13,6 +13,7 @@ from trl import RLOOConfig, RLOOTrainer
 
 import grpo_setup as setup
 from equivalence import assert_rel_close
+import hf_prefixflow
 from hf_prefixflow import PrefixFlowError, PrefixFlowRLOOConfig, PrefixFlowRLOOTrainer
 from hf_prefixflow.core import attention, scheduler
 from hf_prefixflow.trainers import mixin as pf_mixin
@@ -161,6 +162,11 @@ def _gk_gv_dropped(monkeypatch):
                          ids=["suffixes-without-prefix-cache", "gK-gV-dropped"])
 def test_a_broken_swap_fails_the_same_check(root, monkeypatch, broken):
     stock = stock_run(root, "whole-groups")
+    # The probe runs first on the real code, as an earlier test may have run it: under the broken patch it would
+    # refuse the model at construction instead of letting the run reach the check.
+    for use_cache in (False, True):  # the policy as the trainer sets it, the reference model as loaded
+        model = AutoModelForCausalLM.from_pretrained(policy_path(root), dtype=torch.float64, use_cache=use_cache)
+        hf_prefixflow.apply_prefixflow(model)  # (the probe's cache key is the config)
     broken(monkeypatch)
     ours = train(PrefixFlowRLOOTrainer, root, **GEOMETRIES["whole-groups"])
     with pytest.raises(AssertionError, match="grad|loss"):

@@ -167,10 +167,12 @@ def test_broken_a_dropped_state_gradient_is_caught(monkeypatch, kind):
 
 def test_broken_checkpointing_that_drops_the_cache_is_caught(monkeypatch):
     """transformers' own behaviour under checkpointing: the mixer gets `cache=None`, the completions run without
-    the prefix (what `StateView` riding the marker avoids)."""
+    the prefix (what `StateView` riding the marker avoids). The probe runs first with the real hook, as an earlier
+    test may have run it: under the broken hook it would refuse the model at `apply_prefixflow` instead."""
+    model = _checkpointed(tiny_hybrid("lfm2", HYBRIDS["lfm2"]))
+    hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
     monkeypatch.setattr(states, "_before_mixer", lambda module, args, kwargs: (
         args, {k: v for k, v in kwargs.items() if k not in ("prefixflow_pass",)}))
-    model = _checkpointed(tiny_hybrid("lfm2", HYBRIDS["lfm2"]))
     candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
     tiny_copy.recompute_in_float64(candidate)
     with pytest.raises(PrefixFlowError, match="did not receive PrefixFlow.s pass marker in the prompt.s forward"):

@@ -14,7 +14,7 @@ from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
-from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
+from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, apply_prefixflow
 from hf_prefixflow.core import offload, scheduler
 from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
@@ -377,6 +377,9 @@ def test_prompts_that_differ_within_a_group_are_refused():
 
 
 def test_a_trainer_that_skips_phase_c_is_caught(tmp_path, monkeypatch):
+    model = setup.make_model()
+    model.config.use_cache = False  # as the trainer sets it: the probe's cache key is the config
+    apply_prefixflow(model)  # the probe first, on the real code: under the patch it would refuse the model instead
     monkeypatch.setattr("hf_prefixflow.core.scheduler.delayed_backward", lambda caches, *args: 0)
     with pytest.raises(AssertionError, match="grad"):
         assert_aligned(*both(tmp_path))
