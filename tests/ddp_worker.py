@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py {stock|prefixflow} OUT_DIR ENGINE
 
 ENGINE: ddp, zero1, zero2, zero3 (DeepSpeed ZeRO at that stage), fsdp2 (FSDP2 through Accelerate) or ddp_split
-(DDP with one microbatch per step and two rows per process, so every group of four straddles the two processes).
+(DDP with one microbatch per step and two rows per process, so every group of four straddles the two processes); or
+the deliberately broken zero2_ddp_rule (ZeRO-2, PrefixFlow given the DDP rule instead of ZeRO's).
 """
 
 import os
@@ -22,7 +23,7 @@ import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hf_prefixflow import PrefixFlowGRPOTrainer  # noqa: E402
-from hf_prefixflow.trainers import mixin as pf_mixin  # noqa: E402
+from hf_prefixflow.trainers import engine_rule, mixin as pf_mixin  # noqa: E402
 from hf_prefixflow.trainers.grouping import check_group_prompts  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def engine_args(engine: str) -> dict:
     if engine == "ddp_split":
         return {"gradient_accumulation_steps": 1}  # steps_per_generation follows: 2 rows of a group per process
     if engine.startswith("zero"):
-        return {"deepspeed": deepspeed_config(int(engine[-1]))}
+        return {"deepspeed": deepspeed_config(int(engine[len("zero")]))}
     if engine.startswith("fsdp"):
         return {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"]}}
     return {}
@@ -65,6 +66,8 @@ def main(name: str, out: str, engine: str) -> None:
     trainer_cls = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}[name]
     if engine.startswith("fsdp"):
         fsdp_on_cpu()
+    if engine.endswith("_ddp_rule"):
+        engine_rule.select = lambda accelerator, model, trainer: engine_rule.DataParallel(accelerator)
     args = GRPOConfig(**{**dict(output_dir=os.path.join(out, name), per_device_train_batch_size=2, num_generations=4,
                                gradient_accumulation_steps=2, max_completion_length=6, max_steps=2, report_to="none",
                                logging_steps=1, use_cpu=True, save_strategy="no", learning_rate=1e-2, optim="sgd",

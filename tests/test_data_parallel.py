@@ -1,5 +1,5 @@
 """Data parallel on CPU (two gloo processes): DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 give the stock trainer's weights,
-and so does DDP with every group split across the two processes (`ddp_split`)."""
+and so does DDP with every group split across the two processes (`ddp_split`); ZeRO given the DDP rule is caught."""
 
 import os
 from types import SimpleNamespace
@@ -35,6 +35,14 @@ def test_matches_the_stock_trainer(run):
         ranks = [torch.load(os.path.join(out, f"prefixflow_rank{rank}_params.pt")) for rank in (0, 1)]
         for name, weight in ranks[0].items():
             assert torch.equal(weight, ranks[1][name]), name
+
+
+def test_zero_given_the_ddp_rule_is_caught(tmp_path):
+    """Broken variant: a ZeRO-2 launch given the DDP rule instead of ZeRO's (`engine_rule.select`). The last
+    microbatch's own backward is then the engine's boundary, which reduces the gradients, and the Phase C after it
+    computes the prefix's gradients a second time, which ZeRO refuses."""
+    result = torchrun("ddp_worker.py", "prefixflow", str(tmp_path), "zero2_ddp_rule")
+    assert result.returncode != 0 and "has already been reduced" in result.stdout + result.stderr, result.stderr[-3000:]
 
 
 def test_fsdp1_is_refused():

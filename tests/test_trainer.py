@@ -16,6 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, apply_prefixflow
 from hf_prefixflow.core import offload, scheduler
+from hf_prefixflow.trainers import engine_rule
 from hf_prefixflow.trainers import mixin as pf_mixin
 from hf_prefixflow.trainers.grouping import check_group_prompts
 
@@ -296,13 +297,19 @@ def test_automatic_offload_follows_the_free_memory(tmp_path, monkeypatch, budget
              prefixflow_offload=True)
 
 
-@pytest.mark.parametrize("engine", [{"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()}, {"_split": True}])
+def rule(engine: str = "ddp") -> engine_rule.EngineRule:
+    """A stand-in trainer's engine rule: `ddp`, `zero` or `fsdp2` (checks of their configs pass)."""
+    accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, mixed_precision="no",
+                                  state=SimpleNamespace(fsdp_plugin=None))
+    return {"ddp": engine_rule.DataParallel, "zero": engine_rule.ZeRO, "fsdp2": engine_rule.FSDP2}[engine](accelerator)
+
+
+@pytest.mark.parametrize("engine", [{"engine": "zero"}, {"engine": "fsdp2"}, {"_sp": object()}, {"_split": True}])
 def test_streamed_prompt_kv_is_refused_where_processes_share_kv(engine, monkeypatch):
-    settings = {"_deepspeed": False, "_fsdp": False, "_sp": None, "_split": False, **engine}
+    settings = {"engine": "ddp", "_sp": None, "_split": False, **engine}
     monkeypatch.setattr(pf_mixin, "check_geometry", lambda *args, can_split: settings["_split"])
     monkeypatch.setattr(pf_mixin.sequence_parallel, "setup", lambda trainer, size: settings["_sp"])
-    fake = SimpleNamespace(_deepspeed=settings["_deepspeed"], _fsdp=settings["_fsdp"], num_generations=2,
-                           accelerator=SimpleNamespace(distributed_type=DistributedType.MULTI_GPU),
+    fake = SimpleNamespace(_engine=rule(settings["engine"]), num_generations=2,
                            args=SimpleNamespace(per_device_train_batch_size=2, steps_per_generation=1,
                                                 prefixflow_offload_kv=True))
     with pytest.raises(PrefixFlowError, match="prefixflow_offload_kv streams each process's prompt K/V"):
@@ -331,16 +338,15 @@ def test_auto_suffix_checkpointing_keeps_activations_where_they_fit(tmp_path, mo
     assert bool(suspended) == (recomputed == 0.0)
 
 
-@pytest.mark.parametrize("engine", [{}, {"_deepspeed": True}, {"_fsdp": True}, {"_sp": object()},
+@pytest.mark.parametrize("engine", [{}, {"engine": "zero"}, {"engine": "fsdp2"}, {"_sp": object()},
                                     {"checkpointing": False}, {"offload_kv": True}])
 def test_auto_suffix_checkpointing_stays_off_where_ranks_must_recompute_alike(engine):
     """'auto' decides from each rank's rows; under engines whose recompute runs collectives (ZeRO-3 and FSDP gather
     weights, Ulysses exchanges heads) that could hang, so it keeps the model's checkpointing there; and with
     offload_kv, where kept activations would hold every layer's streamed K/V through a wave."""
-    settings = {"_fsdp": False, "_deepspeed": False, "_sp": None, "checkpointing": True, "offload_kv": False,
-                **engine}
-    fake = SimpleNamespace(prefixflow_suffix_checkpointing="auto", _fsdp=settings["_fsdp"],
-                           _deepspeed=settings["_deepspeed"], _sp=settings["_sp"], model=torch.nn.Linear(1, 1),
+    settings = {"engine": "ddp", "_sp": None, "checkpointing": True, "offload_kv": False, **engine}
+    fake = SimpleNamespace(prefixflow_suffix_checkpointing="auto", _engine=rule(settings["engine"]),
+                           _sp=settings["_sp"], model=torch.nn.Linear(1, 1),
                            prefixflow_offload_kv=settings["offload_kv"],
                            args=SimpleNamespace(gradient_checkpointing=settings["checkpointing"]))
     decided = PrefixFlowGRPOTrainer._check_suffix_checkpointing(fake)
@@ -522,14 +528,13 @@ def test_automatic_wave_size_needs_cuda(tmp_path):
 def test_kv_grad_dtype_setting():
     """gK/gV sums: the weights' own precision by default, fp32 under DeepSpeed (its grad_accum_dtype default), a named
     dtype when set; anything else is refused."""
-    from types import SimpleNamespace
-
     pick = PrefixFlowGRPOTrainer._kv_grad_dtype
-    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _deepspeed=False)) is None
-    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _deepspeed=True)) == torch.float32
-    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype="bfloat16", _deepspeed=True)) == torch.bfloat16
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _engine=rule("ddp"))) is None
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _engine=rule("fsdp2"))) is None
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype=None, _engine=rule("zero"))) == torch.float32
+    assert pick(SimpleNamespace(prefixflow_kv_grad_dtype="bfloat16", _engine=rule("zero"))) == torch.bfloat16
     with pytest.raises(PrefixFlowError, match="prefixflow_kv_grad_dtype"):
-        pick(SimpleNamespace(prefixflow_kv_grad_dtype="int8", _deepspeed=False))
+        pick(SimpleNamespace(prefixflow_kv_grad_dtype="int8", _engine=rule("ddp")))
 
 
 def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog, recwarn):
@@ -561,11 +566,8 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
     assert {stance for cls, stance in stances if cls is GRPOTrainer} == {"default"}
 
 
-@pytest.mark.parametrize("engine", ["_deepspeed", "_fsdp"])
+@pytest.mark.parametrize("engine", ["zero", "fsdp2"])
 def test_torch_compile_under_deepspeed_or_fsdp_is_refused(engine):
-    from types import SimpleNamespace
-
-    trainer = SimpleNamespace(_deepspeed=False, _fsdp=False, model=setup.make_model(), ref_model=None)
-    setattr(trainer, engine, True)
+    trainer = SimpleNamespace(_engine=rule(engine), model=setup.make_model(), ref_model=None)
     with pytest.raises(PrefixFlowError, match="torch_compile with DeepSpeed or FSDP"):
         PrefixFlowGRPOTrainer._compile_layers(trainer)

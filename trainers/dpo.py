@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import DistributedType
 from trl import DPOConfig, DPOTrainer
 
 try:
@@ -45,6 +44,8 @@ from hf_prefixflow.apply import apply_prefixflow
 from hf_prefixflow.core.access import unwrap
 from hf_prefixflow.core.scheduler import GroupRunner, GroupSession, PrefixGroup, _sessions
 
+from .engine_rule import DATA_PARALLEL
+
 logger = logging.getLogger(__name__)
 
 # Per-token fields of TRL's `FusedCausalLMOutput`, each `[rows, L - 1]` and zero where the label is -100.
@@ -52,9 +53,10 @@ FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", 
 # The keyword arguments of TRL's preference forward that the pair path reproduces; any other means the plain path.
 PAIR_KWARGS = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
 MIN_PREFIX_TOKENS = 16
-# One process, or DDP: a microbatch's backwards (waves, then Phase C) accumulate locally and one all-reduce follows
-# (`distributed.data_parallel`). ZeRO and FSDP shard the weights the pairs' forwards would need gathered.
-SHARING_ENGINES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+# One process, or DDP (`engine_rule.DataParallel`'s launches): a microbatch's backwards (waves, then Phase C)
+# accumulate locally and one all-reduce follows. ZeRO and FSDP shard the weights the pairs' forwards would need
+# gathered.
+SHARING_ENGINES = DATA_PARALLEL
 
 # Set while the pair path runs its own forwards (Phase A, waves, plain sub-batches): those go straight to TRL's head.
 _inside = contextvars.ContextVar("prefixflow_pairs_inside", default=False)

@@ -9,9 +9,9 @@ the last microbatch that reads the prompt has been backpropagated, before the op
 microbatches of an accumulation window that share a prompt train as one run: one forward and one backward of all
 their rows, each microbatch's loss with TRL's own normaliser and metrics (`_run_loss`). MoE models also
 record their routes during generation and replay them (`trainers/routing.py`); under DDP the gradients are reduced
-once, after Phase C, and under FSDP2 inside the boundary's Phase C (`hf_prefixflow/distributed/`). Under plain DDP a
-group may straddle processes: its owner's prefix K/V are shared with the other holders and their gK/gV summed back
-(`hf_prefixflow/distributed/placement.py`).
+once, after Phase C, and under FSDP2 inside the boundary's Phase C (the engine's rule, chosen once at construction:
+`trainers/engine_rule.py`). Under plain DDP a group may straddle processes: its owner's prefix K/V are shared with
+the other holders and their gK/gV summed back (`hf_prefixflow/distributed/placement.py`).
 
 The mixin relies on what TRL's GRPO and RLOO trainers share (TRL 1.14.1-1.16): `_prepare_inputs`, `training_step`,
 `_get_per_token_logps_and_entropies`, `_compute_loss(model, inputs)`, `_generate(prompts)` returning completion ids
@@ -33,15 +33,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedType, TorchDynamoPlugin
+from accelerate.utils import TorchDynamoPlugin
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from hf_prefixflow import _compat
 from hf_prefixflow.core import moe
 from hf_prefixflow.planning import defaults
 from hf_prefixflow.core.attention import RECOMPILE_LIMIT
-from hf_prefixflow.distributed import data_parallel, fsdp, placement, zero
-from hf_prefixflow.core.engines import fsdp_units
+from hf_prefixflow.distributed import placement
 from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.core.layouts import padded_segments
 from hf_prefixflow.errors import PrefixFlowError
@@ -55,7 +54,7 @@ from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, ho
 from hf_prefixflow.core.states import has_states
 from hf_prefixflow.core.waves import AutoWaves
 
-from . import multimodal, processing, routing, sequence_parallel
+from . import engine_rule, multimodal, processing, routing, sequence_parallel
 from .config import PrefixFlowArguments, kv_grad_dtype, merge_limit, suffix_policy, wave_size
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
 from .window import OpenWindow
@@ -110,8 +109,7 @@ class PrefixFlowTrainerMixin:
         super().__init__(*args, **kwargs)
         self._rows_once = processing.RowsOnce()  # the processor runs once per distinct row of a batch
         _compat.add_fused_lm_head(self)  # the suffix waves' scoring call (TRL 1.15 on adds it itself)
-        # Accelerate shards the model only in train(); a model sharded at load time already holds FSDP2 units.
-        self._fsdp = self.accelerator.distributed_type == DistributedType.FSDP or bool(fsdp_units(self.model))
+        self._engine = engine_rule.select(self.accelerator, self.model, type(self).__name__)
         self._check_supported()
         for name, default in DEFAULTS.items():
             setattr(self, name, getattr(self.args, name, default))
@@ -140,8 +138,7 @@ class PrefixFlowTrainerMixin:
             moe.check_replay_supported(unwrap(self.model))
         # Runs (`_run_loss`): one process or plain DDP, text-only; ZeRO, FSDP2, SP and split groups keep TRL's
         # microbatches, and so does the load-balancing loss, which is not linear in its tokens.
-        self._runs = not (self._deepspeed or self._fsdp or self._sp is not None or self._split
-                          or self.aux_loss_enabled)
+        self._runs = self._engine.merges_runs and not (self._sp is not None or self._split or self.aux_loss_enabled)
         self._generation: BatchIndex | None = None  # the buffered generation batch's groups and lengths
         self._merge_cap = 1  # microbatches per run for the buffered generation
         self._token_bytes: TokenBytes | None = None  # the planner's byte model, for prefixflow_suffix_checkpointing
@@ -164,7 +161,7 @@ class PrefixFlowTrainerMixin:
         return options
 
     def _compile_layers(self) -> None:
-        if self._deepspeed or self._fsdp:
+        if not self._engine.compiles:
             raise PrefixFlowError(f"torch_compile with DeepSpeed or FSDP is not supported by {type(self).__name__} "
                                   "(untested with their hooks); turn torch_compile off, or train with DDP.")
         for model in (m for m in (self.model, self.ref_model) if m is not None):
@@ -183,41 +180,21 @@ class PrefixFlowTrainerMixin:
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
         if self.prefixflow_kv_grad_dtype is None:
-            return torch.float32 if self._deepspeed else None  # DeepSpeed's grad_accum_dtype defaults to fp32
+            return self._engine.kv_grad_dtype
         return kv_grad_dtype(self.prefixflow_kv_grad_dtype)
 
-    @property
-    def _deepspeed(self) -> bool:
-        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
-
     def _check_supported(self) -> None:
-        plain_ddp = (self.accelerator.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-                     and not self._fsdp and getattr(self.args, "prefixflow_sp_size", 1) == 1)
+        plain_ddp = self._engine.can_split and getattr(self.args, "prefixflow_sp_size", 1) == 1
         self._split = check_geometry(self.args.per_device_train_batch_size, self.num_generations,
                                      self.args.steps_per_generation, can_split=plain_ddp)
-        supported = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
-                     DistributedType.DEEPSPEED, DistributedType.FSDP)
-        if self.accelerator.distributed_type not in supported:
-            raise PrefixFlowError(
-                f"{type(self).__name__} supports one process, DDP, FSDP2 and DeepSpeed ZeRO for now, not "
-                f"{self.accelerator.distributed_type}."
-            )
         self._sp = sequence_parallel.setup(self, getattr(self.args, "prefixflow_sp_size", 1))
-        if getattr(self.args, "prefixflow_offload_kv", False) and (
-                self._deepspeed or self._fsdp or self._sp is not None or self._split):
+        if getattr(self.args, "prefixflow_offload_kv", False) and not (
+                self._engine.streams_kv and self._sp is None and not self._split):
             raise PrefixFlowError(
                 "prefixflow_offload_kv streams each process's prompt K/V from its own host memory; DeepSpeed, FSDP, "
                 "sequence parallelism and groups split across processes shard or send K/V between processes and "
                 "do not stream it yet. Use prefixflow_offload=True there, or keep each group's rows on one process.")
-        if self._fsdp:
-            fsdp.check_config(self.accelerator, self.model)
-        if self._deepspeed:
-            zero.check_config(self.accelerator)
-            if self.args.steps_per_generation % self.args.gradient_accumulation_steps:
-                raise PrefixFlowError(
-                    "under DeepSpeed, prompts stay cached until the accumulation boundary, so a new generation must "
-                    "not start inside a window: make steps_per_generation a multiple of gradient_accumulation_steps."
-                )
+        self._engine.check_config(self.model, self.args)
         kwargs = self.args.gradient_checkpointing_kwargs or {}
         if self.args.gradient_checkpointing and kwargs.get("use_reentrant", False):
             raise PrefixFlowError(
@@ -480,9 +457,9 @@ class PrefixFlowTrainerMixin:
                 index, self._group_inputs, reason = multimodal.image_groups(self, index, input_ids, logits_to_keep,
                                                                             extra, self._window.open_groups)
         if not reason:
-            # The load-balancing loss spans the microbatch, ZeRO needs a group at every boundary (and ZeRO-3 the same
-            # forwards on every rank), FSDP2 both: then every group with a prompt to share is shared.
-            every_group = compute_aux_loss or (self._deepspeed and training) or self._fsdp
+            # The load-balancing loss spans the microbatch, and an engine may need a group at every boundary or the
+            # same forwards on every rank (`EngineRule.every_group`): then every group with a prompt to share is shared.
+            every_group = compute_aux_loss or self._engine.every_group(training)
             split = self._window.splits if training else {}
             shared, fallback = self._choose(index, every_group=every_group, split=split)
             if compute_aux_loss and fallback:  # the load-balancing loss spans the whole microbatch: one path for all
@@ -490,8 +467,8 @@ class PrefixFlowTrainerMixin:
         fresh = sum(g.key not in self._window.open_groups for g in shared) if training else len(shared)
         # Before any forward: under FSDP2 a rank taking another path would mismatch the others' collectives.
         schedule = [1, 0, 0, 0] if reason else [0, fresh, sum(len(g.rows) for g in shared), int(bool(fallback))]
-        fsdp.check_same_schedule(model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards",
-                                 schedule)
+        self._engine.check_same_schedule(
+            model, "a microbatch's paths, prefix forwards, suffix-wave rows and plain forwards", schedule)
         if reason:
             self._count_fallback(reason, input_ids.shape[0])
             return plain(list(range(input_ids.shape[0])))
@@ -644,7 +621,7 @@ class PrefixFlowTrainerMixin:
         # runs collectives (ZeRO-3 and FSDP gather weights in its forward, Ulysses exchanges heads), which every
         # rank must then run alike while "auto" decides from each rank's own rows.
         # With prefixflow_offload_kv, kept activations would hold every layer's K/V on the device through a wave.
-        if policy == "auto" and (not self.args.gradient_checkpointing or self._fsdp or self._deepspeed
+        if policy == "auto" and (not self.args.gradient_checkpointing or not self._engine.rank_local_recompute
                                  or self._sp is not None or self.prefixflow_offload_kv
                                  or any(type(m).__name__ == "CheckpointWrapper" for m in self.model.modules())):
             return True
@@ -667,7 +644,7 @@ class PrefixFlowTrainerMixin:
         offload, kv = offload_for(self._planner_tokens(model), [len(g.prefix_ids) for g in opening],
                                   completion_width, [len(g.rows) for g in opening], free_device_bytes(model),
                                   self._checkpointing_policy(), self.prefixflow_prefix_recompute,
-                                  allow_kv=not (self._deepspeed or self._fsdp or self._sp is not None or self._split),
+                                  allow_kv=self._engine.streams_kv and self._sp is None and not self._split,
                                   host_budget=free_host_bytes(model))
         apply_prefixflow(model, offload=offload, offload_kv=kv)
         self._metric("prefixflow/offload", float(offload) + float(kv))
@@ -706,7 +683,7 @@ class PrefixFlowTrainerMixin:
         microbatches or K/V moves between processes, which the run's plan does not model)."""
         return (self.prefixflow_offload is None and self.prefixflow_offload_kv is None
                 and not self.prefixflow_offload_auto
-                and not (self._deepspeed or self._fsdp or self._sp is not None or self._split))
+                and self._engine.stock_rule and self._sp is None and not self._split)
 
     def _stock_choice_kwargs(self, model) -> dict:
         if getattr(self, "_stock_static", None) is None:  # weights and gradients, for the rule's margin
@@ -779,11 +756,10 @@ class PrefixFlowTrainerMixin:
             yield [g.rows[i] for i in rows]
 
     def training_step(self, model, inputs, num_items_in_batch):
-        window = zero.inside_window(self.accelerator) if self._deepspeed else contextlib.nullcontext()
         # DDP and FSDP2 accumulate every backward locally; DDP reduces once after Phase C, FSDP2 in its last backward.
-        with data_parallel.local_gradients(model), fsdp.local_gradients(model):
+        with self._engine.accumulating(model):
             try:
-                with window:
+                with self._engine.microbatch():
                     loss = super().training_step(model, inputs, num_items_in_batch)
             except BaseException as exc:
                 self._end_session(exc)
@@ -795,7 +771,7 @@ class PrefixFlowTrainerMixin:
                 self._end_boundary()  # Phase C for every open group, before the optimizer step
             elif self._run_step == "computed":  # Phase C for the run's groups that the next run does not read
                 self._close_groups_not_in(self._after_run)
-            elif self._run_step is None and not self._deepspeed and self._sp is None:
+            elif self._run_step is None and self._engine.closes_after_microbatch and self._sp is None:
                 # under ZeRO and SP, groups stay open
                 self._close_groups_not_in(self._position_at(_compat.trl_step(self)))
             self._metric("prefixflow/phase_c_s", time.perf_counter() - start)
@@ -803,7 +779,7 @@ class PrefixFlowTrainerMixin:
         self._run_step = None
         self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
         if self.accelerator.sync_gradients:
-            data_parallel.all_reduce_gradients(model)
+            self._engine.reduce(model)
         return loss
 
     def _log_host_pool(self, model) -> None:
@@ -838,38 +814,8 @@ class PrefixFlowTrainerMixin:
         self._metric("prefixflow/split_groups", float(sum(len(r) > 1 for r in spread.values())))
 
     def _end_boundary(self) -> None:
-        if not (self._deepspeed or self._fsdp):
-            self._end_session()
-            return
-        session, self._window.session, self._window.open_groups = self._window.session, None, {}
-        fsdp.check_same_schedule(self.model, "the prefix groups closing at the boundary",
-                                 [len(session.groups) if session else 0])
-        fed = 0
-        if session is not None:
-            try:
-                fed = self._reducing_phase_c(session)
-            finally:
-                session.finish()
-        if not fed:
-            effect = "the engine would not step" if self._deepspeed else "FSDP2 would reduce no gradient"
-            raise PrefixFlowError(
-                f"no prefix group reached this accumulation boundary, so {effect} (the boundary's Phase C is its "
-                "reducing backward). Every microbatch must hold shareable prompts (more than one token); use "
-                f"{self._name}Trainer otherwise."
-            )
-
-    def _reducing_phase_c(self, session: GroupSession) -> int:
-        """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
-        if self._deepspeed:
-            return session.close(backward=zero.boundary_backward(self.accelerator))
-        if not session.groups:
-            return 0
-        # FSDP2 reduces a unit in each post-backward: one prefix graph reaches each unit once, so close the others
-        # unreduced first and let the last one reduce everything, one reduce-scatter per unit.
-        *earlier, last = session.groups
-        session.close(earlier)
-        with fsdp.reducing(self.model):
-            return session.close([last])
+        """Phase C for every group still open, as the engine's rule closes an accumulation window."""
+        self._engine.end_window(self.model, self._forget_window(), f"{self._name}Trainer")
 
     def _close_groups_not_in(self, position: int | None) -> None:
         """Phase C for the open groups that the buffered microbatch at `position` (None: none) does not read."""
@@ -879,7 +825,7 @@ class PrefixFlowTrainerMixin:
         keep = set() if position is None else {g.key for g in self._microbatch_index(position).groups}
         # an image group's key: prompt key + number
         closing = [key for key in window.open_groups if key[:2] not in keep]
-        fsdp.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
+        self._engine.check_same_schedule(self.model, "the prefix groups closing after a microbatch", [len(closing)])
         window.session.close([window.open_groups.pop(key) for key in closing])
 
     def _position_at(self, step: int) -> int | None:
@@ -890,10 +836,15 @@ class PrefixFlowTrainerMixin:
         return step % self.args.steps_per_generation
 
     def _end_session(self, exc: BaseException | None = None) -> None:
-        session, self._window = self._window.session, OpenWindow()
-        self._follow, self._served, self._run_step = [], None, None
+        session = self._forget_window()
         if session is not None:
             session.finish(exc)
+
+    def _forget_window(self) -> GroupSession | None:
+        """A new accumulation window and no run in progress; returns the old window's session."""
+        session, self._window = self._window.session, OpenWindow()
+        self._follow, self._served, self._run_step = [], None, None
+        return session
 
     # -- metrics -----------------------------------------------------------------------------------------------
 

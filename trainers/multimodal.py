@@ -40,7 +40,7 @@ def refusal(trainer) -> str | None:
     why = core.refusal(model)
     if why is not None:
         return f"image prompts of {type(model).__name__}: {why}"
-    if trainer._deepspeed or trainer._fsdp or trainer._sp is not None or trainer._split:
+    if not trainer._engine.shares_images or trainer._sp is not None or trainer._split:
         return "image prompts share their prefix on one process or under plain DDP with whole groups"
     return None
 
