@@ -83,10 +83,10 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
     tokenizer = synthetic.make_tokenizer()
     trainer_class, config_class = TRAINERS[name]
     steps = args.warmup + args.steps
-    config = (config_class if name == "prefixflow" else DPOConfig)(
-        **args.config, output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=args.batch,
-        max_length=None, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), learning_rate=1e-6,
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+    options = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=args.batch,
+                   max_length=None, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
+                   learning_rate=1e-6, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+    config = (config_class if name == "prefixflow" else DPOConfig)(**{**options, **args.config})
     trainer = None
     try:
         model = build(args, tokenizer)
