@@ -77,6 +77,12 @@ FLASH = Kernel("flash", _flash_forward, _flash_backward)
 CUDNN = Kernel("cudnn", _cudnn_forward, _cudnn_backward)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A GPU's compute capability, read once: every wave's every layer asks."""
+    return torch.cuda.get_device_capability(device)
+
+
 def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Kernel | None:
     """The kernel this wave's attention can run on, or None: CUDA fp32/fp64, GPUs before sm80, odd or unequal head
     dims (value heads of another size, as DeepSeek-V3's), devices other than CUDA and the CPU."""
@@ -87,7 +93,7 @@ def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> K
         return CPU
     if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
         return None
-    if torch.cuda.get_device_capability(query.device) < (8, 0):
+    if _capability(query.device) < (8, 0):
         return None
     if head_dim <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available():
         return CUDNN
