@@ -56,6 +56,16 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder if decoder is not None else inner.base_model
 
 
+def attribute(module: torch.nn.Module, name: str, default=None):
+    """`getattr(module, name, default)` for a plain attribute (a flag, a number, a marker), read without
+    `nn.Module.__getattr__`: that fallback looks the name up among parameters, buffers and submodules and raises
+    for every name a module lacks, several microseconds a read, which walks over every module of a model and
+    per-layer attention calls would otherwise pay for each module without the attribute."""
+    if hasattr(type(module), name):  # a class attribute or property: as `getattr` reads it
+        return getattr(module, name, default)
+    return module.__dict__.get(name, default)
+
+
 def config_of(model: torch.nn.Module) -> PrefixFlowConfig:
     """The settings `apply_prefixflow` stored on `model`.
 
@@ -96,7 +106,7 @@ def check_checkpointing(model: torch.nn.Module) -> None:
         PrefixFlowError: a module checkpoints without `use_reentrant=False`.
     """
     for name, module in model.named_modules():
-        if not getattr(module, "gradient_checkpointing", False):
+        if not attribute(module, "gradient_checkpointing", False):
             continue
         if compat.checkpoint_function_kwargs(module).get("use_reentrant", True) is not False:
             raise PrefixFlowError(
@@ -119,10 +129,10 @@ def _random_in_training(model: torch.nn.Module) -> list[str]:
             continue
         if isinstance(module, torch.nn.Dropout) and module.p > 0:
             found.append(f"{name} (dropout p={module.p})")
-        for attribute in NOISE_ATTRIBUTES:
-            value = getattr(module, attribute, None)
+        for knob in NOISE_ATTRIBUTES:
+            value = attribute(module, knob)
             if isinstance(value, float) and value > 0:
-                found.append(f"{name} ({type(module).__name__}.{attribute}={value})")
+                found.append(f"{name} ({type(module).__name__}.{knob}={value})")
     return found
 
 
@@ -160,12 +170,13 @@ def checkpointing_suspended(model: PreTrainedModel):
     Raises:
         PrefixFlowError: the model holds torch `CheckpointWrapper`s, which this cannot suspend.
     """
-    if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
+    modules = list(model.modules())
+    if any(type(m).__name__ == "CheckpointWrapper" for m in modules):
         raise PrefixFlowError(
             "suffix_checkpointing=False suspends transformers' layer checkpointing, but this model is wrapped in "
             "torch checkpoint wrappers (e.g. FSDP activation_checkpointing); keep suffix_checkpointing=True."
         )
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    layers = [m for m in modules if attribute(m, "gradient_checkpointing", False)]
     for layer in layers:
         layer.gradient_checkpointing = False
     try:

@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from .. import _compat as compat
 from . import split_attention
 from ..errors import PrefixFlowError
+from .access import attribute
 from .kv_cache import TrainingKVCache
 from .layouts import PADDING, PREFIX, Wave
 from .moe import PUBLISHES, ROUTES_KWARG, publish
@@ -152,6 +153,9 @@ def chunk_size(module: torch.nn.Module) -> int | None:
         return None
 
 
+_UNSET = object()
+
+
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     """The sliding window of `module`'s layer in tokens, or None: as its attention call receives it (the
     `sliding_window` argument, else the module's attribute), else as transformers' masks read it from the config:
@@ -159,8 +163,9 @@ def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     has no layer types (Phi-MoE's attention receives no window; its masks carry the config's)."""
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
+    own = attribute(module, "sliding_window", _UNSET)
+    if own is not _UNSET:
+        return own
     config = getattr(module, "config", None)
     try:
         size = getattr(config, "sliding_window", None)
@@ -245,7 +250,7 @@ def index_scaled_query(module: torch.nn.Module, query: torch.Tensor, positions: 
     Returns:
         `[B, H, S, D]` in `query`'s dtype.
     """
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+    if not attribute(module, "attn_temperature_tuning", False) or attribute(module, "use_rope", True):
         return query
 
     def temperature(index: torch.Tensor) -> torch.Tensor:  # as the module computes it, from float positions
@@ -360,13 +365,13 @@ def prefixflow_attention(
     base = base_name(module.config._attn_implementation)
     base_fn = _base_function(module, base)
     marker = kwargs.pop(PASS_KWARG, None)
-    if marker is not None and getattr(module, TOWER, False):
+    if marker is not None and attribute(module, TOWER, False):
         marker = None  # a vision tower's attention, reached by Phase A's kwargs (see `multimodal.mark_towers`)
     if REACH.calls is not None:
         REACH.calls.append((module, marker is REACH))
         marker = None if marker is REACH else marker
     routes = kwargs.pop(ROUTES_KWARG, None)
-    if getattr(module, PUBLISHES, False):
+    if attribute(module, PUBLISHES, False):
         _publish(module, routes, marker)
     if marker is None:
         return base_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

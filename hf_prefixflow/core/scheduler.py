@@ -279,10 +279,12 @@ class PrefixGroup:
         return offload
 
     def _recomputing(self) -> contextlib.AbstractContextManager:
-        """Checkpoint the configured share of prefix layers; yields the checkpointed layers' indices."""
-        if not self.trains:
+        """Checkpoint the configured share of prefix layers; yields the checkpointed layers' indices (empty when
+        nothing is switched and nothing is offloaded: only the offload's attention replay reads them)."""
+        share = config_of(self._inner).recompute_share
+        if not self.trains or not (share or self.offload):  # no layer to switch, and no replay needs the indices
             return contextlib.nullcontext(set())
-        return recomputed_layers(decoder_of(self._inner), config_of(self._inner).recompute_share)
+        return recomputed_layers(decoder_of(self._inner), share)
 
     def _adopt(self, cache: TrainingKVCache) -> None:
         """Open on prefix K/V computed by another rank's Phase A (`distributed.placement`): the waves read `cache`,

@@ -77,6 +77,12 @@ FLASH = Kernel("flash", _flash_forward, _flash_backward)
 CUDNN = Kernel("cudnn", _cudnn_forward, _cudnn_backward)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A GPU's compute capability, read once: every wave's every layer asks."""
+    return torch.cuda.get_device_capability(device)
+
+
 def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Kernel | None:
     """The kernel this wave's attention can run on, or None: CUDA fp32/fp64, GPUs before sm80, odd or unequal head
     dims (value heads of another size, as DeepSeek-V3's), devices other than CUDA and the CPU."""
@@ -87,7 +93,7 @@ def kernel_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> K
         return CPU
     if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16) or head_dim % 8:
         return None
-    if torch.cuda.get_device_capability(query.device) < (8, 0):
+    if _capability(query.device) < (8, 0):
         return None
     if head_dim <= 128 and torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available():
         return CUDNN
@@ -172,7 +178,13 @@ def in_layout(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
 def _lse_for(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """A log-sum-exp as a backward kernel reads it: in its own shape and contiguous. The GPU kernels take its
     pointer without its strides; the merged one may lie in any order (the compiled merge picks it from its inputs)."""
-    return lse.reshape(shape).contiguous()
+    return _as_shape(lse, shape).contiguous()
+
+
+def _as_shape(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`x.reshape(shape)`, without dispatching a view when `x` has that shape already (the CPU and flash kernels'
+    log-sum-exps do: a few ops fewer per layer and wave)."""
+    return x if x.shape == shape else x.reshape(shape)
 
 
 class _SplitAttention(torch.autograd.Function):
@@ -183,8 +195,8 @@ class _SplitAttention(torch.autograd.Function):
         out_s, lse_s, state_s = kernel.forward(query, key, value, True, scale)
         # lse layouts differ between kernels (e.g. a trailing 1): merge in `[B, Hq, L]`, hand each back its own.
         shape_p, shape_s = lse_p.shape, lse_s.shape
-        out, lse = _merge(_rows_unfolded(out_p, batch), _rows_unfolded(lse_p.reshape(shape_p[:3]), batch),
-                          out_s, lse_s.reshape(shape_s[:3]))
+        out, lse = _merge(_rows_unfolded(out_p, batch), _rows_unfolded(_as_shape(lse_p, shape_p[:3]), batch),
+                          out_s, _as_shape(lse_s, shape_s[:3]))
         ctx.save_for_backward(query, prefix_key, prefix_value, key, value, out, lse)
         ctx.meta = (scale, kernel, shape_p, shape_s, state_p, state_s, out.stride())
         return out

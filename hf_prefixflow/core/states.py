@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from .access import attribute
 from .attention import PASS_KWARG, PrefixPass, SuffixPass
 from ..errors import PrefixFlowError
 from .kv_cache import TrainingKVCache
@@ -210,12 +211,12 @@ def enable_states(model: torch.nn.Module) -> int:
 
 def mixer_layers(model: torch.nn.Module) -> set[int]:
     """The layer indices of `model`'s hooked recurrent mixers."""
-    return {m.layer_idx for m in model.modules() if getattr(m, _HOOKED, False)}
+    return {m.layer_idx for m in model.modules() if attribute(m, _HOOKED, False)}
 
 
 def has_states(model: torch.nn.Module) -> bool:
     """Whether `model` has recurrent mixers hooked by `enable_states`."""
-    return any(getattr(m, _HOOKED, False) for m in model.modules())
+    return any(attribute(m, _HOOKED, False) for m in model.modules())
 
 
 def _cache_parameter(module: torch.nn.Module) -> str:
