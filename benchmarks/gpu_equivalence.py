@@ -407,10 +407,11 @@ def write(run: harness.RunFolder, args, rows: list[dict], kernels: list[dict]) -
     good = all(criterion.as_expected(r, r["variant"] in criterion.BROKEN) for r in rows) and \
         all(r["passed"] for r in kernels)
     lines = [f"P={args.prefix}, head dim {args.head_dim}, suffixes up to {args.suffix}, N={args.n}, wave {args.wave}, "
-             f"{args.steps} groups, SGD lr {args.lr:g}. Primary: per parameter, PrefixFlow's gradient error against the fp64 full-sequence gradient over the "
-             f"bf16 baseline's (relative norms), at most {criterion.LIMIT} for the worst parameter; checked at the "
-             f"first and last step, both at the baseline's weights. Secondary (reported "
-             f"only): the paper's {criterion.PAPER}, worst over loss / gradients / weights up to the step.", ""]
+             f"{args.steps} groups, SGD lr {args.lr:g}. Primary: per parameter, PrefixFlow's gradient error against "
+             f"the fp64 full-sequence gradient over the bf16 baseline's (relative norms), at most {criterion.LIMIT} "
+             "for the worst parameter; checked at the first and last step, both at the baseline's weights. Secondary "
+             f"(reported only): the paper's {criterion.PAPER}, worst over loss / gradients / weights up to the "
+             "step.", ""]
     lines += table(
         ["path", "layout", "variant", "step", "worst ratio (parameter)", "median ratio",
          "median rel err baseline / PrefixFlow", "weights moved / drifted apart", "paper: loss / grads / weights",

@@ -220,9 +220,10 @@ def main() -> None:
     ratio = criterion.format_ratio
     shape = SHAPES[args.shape]
     lines = [f"Qwen3-MoE ({args.shape} shape: {shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
-             f"top-2), P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, {args.steps} SGD steps at lr {args.lr:g}, "
-             "both sides replay the same masks. Primary: per parameter, PrefixFlow's gradient error against the fp64 "
-             f"full-sequence gradient over the bf16 baseline's, at most {criterion.LIMIT} for the worst parameter, "
+             f"top-2), P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, {args.steps} SGD steps at lr "
+             f"{args.lr:g}, both sides replay the same masks. Primary: per parameter, PrefixFlow's gradient error "
+             f"against the fp64 full-sequence gradient over the bf16 baseline's, at most {criterion.LIMIT} for the "
+             "worst parameter, "
              "both at the baseline's weights. Secondary (reported only): max |difference| G / L / W and the worst "
              f"ratio to the paper's {criterion.PAPER}.", "",
              "| variant | step | worst ratio (parameter) | median ratio | median rel err baseline / PrefixFlow "

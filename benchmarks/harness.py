@@ -176,11 +176,13 @@ class RunFolder:
             self.files[f"{self.stem}.md"] = "the table"
         self._update_manifest()
 
-    def attach(self, filename: str, content: str | dict | list, what: str = "") -> pathlib.Path:
-        """Another file of the run (text as given, anything else as JSON), listed in the manifest."""
+    def attach(self, filename: str, content: str | dict | list | None = None, what: str = "") -> pathlib.Path:
+        """Another file of the run (text as given, anything else as JSON; None: one the caller wrote), listed in the
+        manifest."""
         self.path.mkdir(parents=True, exist_ok=True)
         path = self.path / filename
-        path.write_text(content if isinstance(content, str) else json.dumps(content, indent=1, default=str))
+        if content is not None:
+            path.write_text(content if isinstance(content, str) else json.dumps(content, indent=1, default=str))
         self.files[filename] = what
         self._update_manifest()
         return path

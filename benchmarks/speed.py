@@ -144,8 +144,9 @@ def main() -> None:
                                                            args.repeats, lambda: baseline_group(model, prompt, warm))
             bound = shape.bound(prefix, [suffix] * n)
             for wave in map(int, args.wave.split(",")):  # against the one baseline measurement above
-                pf_s, pf_gib, pf_retries = harness.timed(lambda: prefixflow_group(model, prompt, suffixes, wave),
-                                                         args.repeats, lambda: prefixflow_group(model, prompt, warm, wave))
+                pf_s, pf_gib, pf_retries = harness.timed(
+                    lambda: prefixflow_group(model, prompt, suffixes, wave), args.repeats,
+                    lambda: prefixflow_group(model, prompt, warm, wave))
                 model.zero_grad(set_to_none=True)
                 rows.append({
                     "model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix,
