@@ -14,7 +14,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 # Modules the measurements import, and one rank of a multi-GPU run: not measurements themselves.
-HELPERS = {"__main__", "__init__", "harness", "timing", "criterion", "multi_gpu_worker"}
+HELPERS = {"__main__", "__init__", "harness", "criterion", "multi_gpu_worker"}
 
 
 def measurements() -> dict[str, str]:

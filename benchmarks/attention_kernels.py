@@ -10,7 +10,9 @@ Times forward + backward (CUDA events, median of 10 after warm-up) of one layer'
 - `split cudnn` / `split flash`: `hf_prefixflow.core.split_attention`, what Phase B runs now: the prefix read in place
   (non-causal, GQA folded into the query length), the suffix causal, merged by log-sum-exp, exact backward;
 - `cudnn square causal`: the baseline's kernel on the full `[P || S]` sequence, for its FLOP rate.
-Before timing, each split kernel's output and gradients are checked against fp32 math (bf16 tolerance).
+Before timing, each split kernel's output and gradients are checked against fp32 math (bf16 tolerance). Writes
+`attention_kernels.json` (the config and a row per case), `.md` and a generated `MANIFEST.md` to `--out`
+(`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import pathlib
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+import harness
 from hf_prefixflow.core import split_attention
-from timing import median_seconds
 
 
 def main() -> None:
@@ -72,17 +73,23 @@ def main() -> None:
     rows = []
     for name, fn in cases.items():
         try:
-            ms = median_seconds(fn, repeats=10, warmup=3) * 1000
+            ms = harness.median_seconds(fn, repeats=10, warmup=3) * 1000
             flops = flops_full if "square" in name else flops_wave
             rows.append({"case": name, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
         except Exception as exc:  # a kernel that cannot run this case is a result too
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
         print(json.dumps(rows[-1]), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"P": p, "S": s, "heads": h, "kv_heads": hk, "dim": d, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__}
-    (out / "attention_kernels.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+    run = harness.RunFolder("attention_kernels", args.out)
+    meta = {"P": p, "S": s, "heads": h, "kv_heads": hk, "dim": d, **run.environment}
+    run.write({"config": meta, "rows": rows}, table(meta, rows))
+
+
+def table(meta: dict, rows: list[dict]) -> list[str]:
+    lines = [f"One layer's attention, forward and backward: P={meta['P']}, S={meta['S']}, {meta['heads']} / "
+             f"{meta['kv_heads']} heads, head dim {meta['dim']}, bf16; median of 10 after 3.", "",
+             "| case | ms | TFLOP/s |", "| --- | --- | --- |"]
+    return lines + [f"| {r['case']} | {r['ms']} | {r['tflops']} |" if "error" not in r else
+                    f"| {r['case']} | {r['error'][:120]} | - |" for r in rows]
 
 
 def check_split(kernel, q, pk, pv, sk, sv, kr, vr, grad) -> None:

@@ -43,6 +43,7 @@ from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES  # noqa: E
 from transformers.models.auto import modeling_auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
+import harness  # noqa: E402 - benchmarks/harness.py: the environment a sweep ran in
 import hf_prefixflow  # noqa: E402
 from equivalence import random_group, random_plan, train_side_by_side  # noqa: E402
 from hf_prefixflow import PrefixFlowError  # noqa: E402
@@ -448,8 +449,8 @@ def main() -> None:
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text(markdown(rows, COMMAND))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": COMMAND, "transformers": transformers.__version__,
-                                   "torch": torch.__version__, "jobs": args.jobs, "seconds": round(total),
+    RESULTS.write_text(json.dumps({"command": COMMAND, **harness.environment(gpu="cpu"), "jobs": args.jobs,
+                                   "seconds": round(total),
                                    "counts": counts(rows), "families": rows}, indent=1) + "\n")
     print(f"wrote {DOCS.relative_to(ROOT)} and {RESULTS.relative_to(ROOT)}")
 

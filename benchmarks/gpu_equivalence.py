@@ -35,6 +35,7 @@ gradient of `split_attention` in bf16 against fp64 attention over the concatenat
 (non-reentrant, TRL's default); `--head-dim 128` gives the models and the kernel check Qwen3's and Llama3's head size
 (64 by default). `--tiny` (CPU): a two-layer model as wide as the GPU one, short groups, `sdpa-default` unless
 `--paths` says otherwise. Exits with 1 unless every correct and diagnostic row passes and every broken row fails.
+Rows go to `<--tag>.json` and `.md` in `--out` after every case, with a generated `MANIFEST.md` (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -44,17 +45,15 @@ import contextlib
 import copy
 import datetime
 import json
-import pathlib
-import platform
 import sys
 import time
 
 import torch
-import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import criterion
+import harness
 import hf_prefixflow
 from hf_prefixflow import _compat
 from hf_prefixflow.core import split_attention as split
@@ -378,12 +377,11 @@ def main() -> None:
     torch.set_float32_matmul_precision("highest")  # no TF32 in the references' fp32 parts
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # with --compile: never a silently eager layer
 
-    env = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-           "transformers": transformers.__version__,
-           "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+    run = harness.RunFolder("gpu_equivalence", args.out, args.tag, gpu=None if DEVICE == "cuda" else "cpu")
+    env = run.environment
     kernels = kernel_rows(args.head_dim) if args.kernel_check and DEVICE == "cuda" else []
     rows = []
-    good = write(args, env, rows, kernels)
+    good = write(run, args, rows, kernels)
     cases = [(name, layout, variant) for variant in ([None] if args.correct else []) + variants
              for name in args.paths.split(",") for layout in PATHS[name][2]
              if criterion.applies(variant, PATHS[name][0], layout)]
@@ -399,27 +397,21 @@ def main() -> None:
                        seconds=round(time.perf_counter() - start, 1), **env)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "ratios"}), flush=True)
-        good = write(args, env, rows, kernels)  # after every case: a run cut short keeps what finished
-    print((pathlib.Path(args.out) / f"{args.tag}.md").read_text())
+        good = write(run, args, rows, kernels)  # after every case: a run cut short keeps what finished
+    print((run.path / f"{args.tag}.md").read_text())
     sys.exit(0 if good else 1)
 
 
-def write(args, env: dict, rows: list[dict], kernels: list[dict]) -> bool:
+def write(run: harness.RunFolder, args, rows: list[dict], kernels: list[dict]) -> bool:
     """`TAG.json` and `TAG.md` under --out; whether every row came out as it must."""
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(rows + [{**r, **env} for r in kernels], indent=1))
     good = all(criterion.as_expected(r, r["variant"] in criterion.BROKEN) for r in rows) and \
         all(r["passed"] for r in kernels)
-    lines = [f"# bf16 equivalence on {env['gpu']} (torch {env['torch']}, transformers {env['transformers']}, "
-             f"{env['date']})", "",
-             f"`python benchmarks/gpu_equivalence.py {' '.join(sys.argv[1:])}` — P={args.prefix}, head dim "
-             f"{args.head_dim}, "
-             f"suffixes up to {args.suffix}, N={args.n}, wave {args.wave}, {args.steps} groups, SGD lr {args.lr:g}. "
-             f"Primary: per parameter, PrefixFlow's gradient error against the fp64 full-sequence gradient over the "
-             f"bf16 baseline's (relative norms), at most {criterion.LIMIT} for the worst parameter; checked at the "
-             f"first and last step, both at the baseline's weights. Secondary (reported "
-             f"only): the paper's {criterion.PAPER}, worst over loss / gradients / weights up to the step.", ""]
+    lines = [f"P={args.prefix}, head dim {args.head_dim}, suffixes up to {args.suffix}, N={args.n}, wave {args.wave}, "
+             f"{args.steps} groups, SGD lr {args.lr:g}. Primary: per parameter, PrefixFlow's gradient error against "
+             f"the fp64 full-sequence gradient over the bf16 baseline's (relative norms), at most {criterion.LIMIT} "
+             "for the worst parameter; checked at the first and last step, both at the baseline's weights. Secondary "
+             f"(reported only): the paper's {criterion.PAPER}, worst over loss / gradients / weights up to the "
+             "step.", ""]
     lines += table(
         ["path", "layout", "variant", "step", "worst ratio (parameter)", "median ratio",
          "median rel err baseline / PrefixFlow", "weights moved / drifted apart", "paper: loss / grads / weights",
@@ -436,7 +428,8 @@ def write(args, env: dict, rows: list[dict], kernels: list[dict]) -> bool:
                        f"{r['worst_ratio']:.2f}", verdict[r["passed"]]],
             lambda r: [r["kernel"], str(r["rows"]), r["error"][:80], "-", "-", "no"])
     lines += ["", f"Every correct and diagnostic row passes and every broken row fails: {'yes' if good else 'NO'}"]
-    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+    run.write(rows + [{**r, **run.environment} for r in kernels], lines,
+              title=f"bf16 equivalence on {run.environment['gpu']}")
     return good
 
 

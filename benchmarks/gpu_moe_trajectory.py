@@ -16,7 +16,8 @@ only, like the paper's Table 3: max |difference| of gradients / loss / after-upd
 ratio to |x-y| <= 1e-3 + 1e-2 max(|x|,|y|). `--broken` runs broken variants (`criterion.BROKEN`; the one-row waves
 here are padded, so they reach the split attention), each of which must fail; `--diagnostic concat-attention`
 attends over the concatenated K/V instead of the split attention (must pass). Exits with 1 unless every correct and
-diagnostic row passes and every broken row fails.
+diagnostic row passes and every broken row fails. Writes `<--tag>.json` (the config and the rows), `.md` and a
+generated `MANIFEST.md` to `--out` (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ import argparse
 import copy
 import datetime
 import json
-import pathlib
 import sys
-import time
 
 import torch
-import transformers
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import criterion
+import harness
 import hf_prefixflow
 from hf_prefixflow.core.moe import record_routing
 
@@ -215,21 +214,16 @@ def main() -> None:
             rows.append({"variant": variant or "correct", "passed": False,
                          "verdict": criterion.verdict(False, variant in criterion.BROKEN, error), "error": error})
     good = all(criterion.as_expected(r, r["variant"] in criterion.BROKEN) for r in rows)
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "lr": args.lr,
-            "P": args.prefix, "S_max": args.suffix, "N": args.n, "steps": args.steps, "shape": args.shape,
-            "as_required": good}
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=1))
+    run = harness.RunFolder("gpu_moe_trajectory", args.out, args.tag, gpu=None if device == "cuda" else "cpu")
+    meta = {**run.environment, "lr": args.lr, "P": args.prefix, "S_max": args.suffix, "N": args.n,
+            "steps": args.steps, "shape": args.shape, "as_required": good}
     ratio = criterion.format_ratio
-    lines = [f"# MoE routing replay, bf16 trajectory on {meta['gpu']} (torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {meta['date']})", "",
-             f"`python benchmarks/gpu_moe_trajectory.py {' '.join(sys.argv[1:])}` — Qwen3-MoE ({args.shape} shape: "
-             f"{SHAPES[args.shape]['num_hidden_layers']} layers, {SHAPES[args.shape]['num_experts']} experts, top-2), "
-             f"P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, {args.steps} SGD steps at lr {args.lr:g}, "
-             "both sides replay the same masks. Primary: per parameter, PrefixFlow's gradient error against the fp64 "
-             f"full-sequence gradient over the bf16 baseline's, at most {criterion.LIMIT} for the worst parameter, "
+    shape = SHAPES[args.shape]
+    lines = [f"Qwen3-MoE ({args.shape} shape: {shape['num_hidden_layers']} layers, {shape['num_experts']} experts, "
+             f"top-2), P={args.prefix}, suffixes up to {args.suffix}, N={args.n}, {args.steps} SGD steps at lr "
+             f"{args.lr:g}, both sides replay the same masks. Primary: per parameter, PrefixFlow's gradient error "
+             f"against the fp64 full-sequence gradient over the bf16 baseline's, at most {criterion.LIMIT} for the "
+             "worst parameter, "
              "both at the baseline's weights. Secondary (reported only): max |difference| G / L / W and the worst "
              f"ratio to the paper's {criterion.PAPER}.", "",
              "| variant | step | worst ratio (parameter) | median ratio | median rel err baseline / PrefixFlow "
@@ -245,7 +239,7 @@ def main() -> None:
                      f"{r['G']:.1e} / {r['L']:.1e} / {r['W']:.1e} | "
                      f"{r['G_ratio']:.3f} / {r['L_ratio']:.3f} / {r['W_ratio']:.3f} | {r['verdict']} |")
     lines += ["", f"Every correct and diagnostic row passes and every broken row fails: {'yes' if good else 'NO'}"]
-    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+    run.write({"config": meta, "rows": rows}, lines, title=f"MoE routing replay, bf16 trajectory on {meta['gpu']}")
     print("\n".join(lines))
     sys.exit(0 if good else 1)
 

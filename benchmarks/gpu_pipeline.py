@@ -23,17 +23,15 @@ of S tokens, median of `--repeats` after a warm-up, three ways on the same stage
 through the same 1F1B schedule (`--baseline-rows` per microbatch); PrefixFlow with stage-local phase switching
 (`train_group`) at each of `--waves` completions per microbatch; and each of those with a global barrier before and
 after Phase B (the paper's Claim 1.3 contrast). The FLOP bound of `hf_prefixflow.planning.flops` goes beside them.
-Writes `gpu_pipeline.json` and `.md` under --out (rank 0); exits with 1 (rank 0) unless every correct row passes and
-every broken row fails.
+Writes `gpu_pipeline.json`, `.md` and a generated `MANIFEST.md` under --out (rank 0, `harness.RunFolder`); exits with
+1 (rank 0) unless every correct row passes and every broken row fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -44,6 +42,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import criterion
+import harness
 import hf_prefixflow
 from hf_prefixflow.distributed import pipeline
 from hf_prefixflow.planning.flops import ModelShape
@@ -254,13 +253,10 @@ def speed(args, rank: int, stages: int, device) -> dict:
     return result
 
 
-def report(out: pathlib.Path, meta: dict, rows: list[dict], timing: dict) -> bool:
+def report(run: harness.RunFolder, meta: dict, rows: list[dict], timing: dict) -> bool:
     """Write the json and md; whether every correct row passed and every broken one failed."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_pipeline.json").write_text(json.dumps({**meta, "equivalence": rows, "speed": timing}, indent=1))
     ratio = criterion.format_ratio
-    lines = [f"# Pipeline parallelism, {meta['stages']} stages ({meta['device']}, torch {meta['torch']})", "",
-             f"Equivalence ({meta['precision']}, SGD lr {meta['lr']:g}). Primary, at the first and last step: per "
+    lines = [f"Equivalence ({meta['precision']}, SGD lr {meta['lr']:g}). Primary, at the first and last step: per "
              "parameter of the stage, the pipeline's gradient error against the fp64 full-sequence gradient over the "
              f"one-GPU bf16 baseline's, at most {criterion.LIMIT} for the worst parameter, both at the baseline's "
              "weights (how far the stage had drifted from them: relative distance). Secondary (reported only): the "
@@ -290,7 +286,8 @@ def report(out: pathlib.Path, meta: dict, rows: list[dict], timing: dict) -> boo
     base = timing["baseline"]["median_s"]
     lines += ["", f"FLOP bound {meta['flop_bound']:.2f}x. Speedups over the baseline: " + ", ".join(
         f"{name} {base / t['median_s']:.2f}x" for name, t in timing.items() if name != "baseline")]
-    (out / "gpu_pipeline.md").write_text("\n".join(lines) + "\n")
+    run.write({**meta, "equivalence": rows, "speed": timing}, lines,
+              title=f"Pipeline parallelism, {meta['stages']} stages ({meta['gpu']})")
     print("\n".join(lines), flush=True)
     return good
 
@@ -338,14 +335,16 @@ def main() -> None:
     gathered = [None] * stages
     dist.all_gather_object(gathered, rows)
     if rank == 0:
-        meta = {"stages": stages, "device": torch.cuda.get_device_name(device) if cuda else "CPU",
-                "precision": "fp32 weights, bf16 autocast", "lr": args.lr,
-                "torch": torch.__version__, "speed_setting": f"{args.shape_speed}, P={args.prefix}, S={args.suffix}, "
+        run = harness.RunFolder("gpu_pipeline", args.out, gpu=torch.cuda.get_device_name(device) if cuda else "CPU",
+                                command=f"torchrun --nproc_per_node {stages} benchmarks/gpu_pipeline.py "
+                                        + " ".join(sys.argv[1:]))
+        meta = {"stages": stages, **run.environment, "precision": "fp32 weights, bf16 autocast", "lr": args.lr,
+                "speed_setting": f"{args.shape_speed}, P={args.prefix}, S={args.suffix}, "
                 f"N={args.n}, baseline {args.baseline_rows} row(s) per microbatch, median of {args.repeats}",
                 "flop_bound": flop_bound(args)}
         rows = sorted(sum(gathered, []), key=lambda r: (r["variant"] != "correct", r["variant"], r["step"],
                                                         r["stage"]))
-        good = report(pathlib.Path(args.out), meta, rows, timing)
+        good = report(run, meta, rows, timing)
     dist.destroy_process_group()
     if rank == 0 and not good:
         sys.exit(1)

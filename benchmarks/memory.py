@@ -32,8 +32,8 @@ Phase-B peak is the statistic reset when Phase A returns and read before Phase C
     one microbatch of `--rows` rows (the baseline: each further one repeats its peak) or two waves (PrefixFlow: the
     second holds gK/gV); out-of-memory fails it. An offload trial whose pinned pool would exceed `--host-budget-gib`
     fails without running. `--frontier-search-s` caps each search.
-No new step starts after `--deadline-s`; memory_like_for_like.json and .md are rewritten after every row, search and
-frontier trial (`trials` lists each trial as it ends).
+No new step starts after `--deadline-s`; memory_like_for_like.json and .md (and a generated `MANIFEST.md`,
+`harness.RunFolder`) are rewritten after every row, search and frontier trial (`trials` lists each trial as it ends).
 """
 
 from __future__ import annotations
@@ -45,16 +45,14 @@ import gc
 import json
 import pathlib
 import statistics
-import subprocess
-import sys
 import time
 from typing import Callable
 
 import torch
-import transformers
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import harness
 import hf_prefixflow
 from hf_prefixflow.planning import planner
 from hf_prefixflow.core.access import config_of, unwrap
@@ -80,8 +78,8 @@ TINY_ARGS = dict(models="tiny", splits="80/16,64/32,48/48,32/64,16/80", timed_sp
 class Bench:
     """The model under test, its device, the arguments, and the wall-clock deadline."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
+    def __init__(self, args: argparse.Namespace, run: harness.RunFolder):
+        self.args, self.run = args, run
         self.device = torch.device("cpu" if args.tiny else "cuda")
         missing = [name for name, owner in (("host_memory_stats", torch.cuda), ("_host_emptyCache", torch._C))
                    if not args.tiny and not hasattr(owner, name)]
@@ -95,8 +93,7 @@ class Bench:
         self.phase_ms: dict[str, float] = {}  # the last step's milliseconds per phase (CUDA only)
         self.host_bytes_per_token = 0.0  # offload: pool bytes per cached prompt token, measured by the steps
         self.host_peak_bytes = 0  # the most any offload pool held
-        self.report: dict = {}  # what `write` puts on file, and where
-        self.out = pathlib.Path(args.out)
+        self.report: dict = {}  # what `write` puts on file
 
     def load(self, name: str) -> None:
         """Build the model of shape `name` (dropping the previous one)."""
@@ -181,16 +178,6 @@ def set_policy(model: torch.nn.Module, policy: str) -> None:
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+uncommitted changes" if dirty.stdout.strip() else "")
 
 
 # -- steps and measurement -----------------------------------------------------------------------------------
@@ -325,7 +312,7 @@ def gib(value: float) -> float:
 
 # -- 1. fixed shapes -------------------------------------------------------------------------------------------
 
-def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
+def fixed(bench: Bench, report: dict) -> None:
     args = bench.args
     offloads = args.offload.split(",")
     for split in args.splits.split(","):
@@ -366,7 +353,7 @@ def fixed(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 keys = ("model", "P", "S", "policy", "offload", "baseline_peak_gib", "prefixflow_phase_b_peak_gib",
                         "plan_phase_b_peak_gib", "baseline_time_s", "prefixflow_time_s", "error")
                 bench.log(json.dumps({k: row.get(k) for k in keys}))
-            write(report, out)
+            write(report, bench.run)
 
 
 def fixed_rows(bench: Bench, policy: str, prefix: int, suffix: int, steps: dict, phases: dict, pools: dict,
@@ -534,7 +521,7 @@ def search_shape(search: dict, total: int) -> tuple[int, int]:
     return prefix, total - prefix
 
 
-def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
+def frontier(bench: Bench, report: dict) -> None:
     args = bench.args
     cap = args.frontier_cap_gib * GIB
     if bench.device.type == "cuda":
@@ -578,7 +565,7 @@ def frontier(bench: Bench, report: dict, out: pathlib.Path) -> None:
                 bench.log(f"frontier {search['kind']} {policy} offload={off}: baseline {baseline['longest_trains']} "
                           f"(plan {baseline['predicted']}), PrefixFlow {result['longest_trains']} "
                           f"(plan {result['predicted']})")
-                write(report, out)
+                write(report, bench.run)
 
 
 def resolution(args: argparse.Namespace, side: str) -> int:
@@ -606,7 +593,7 @@ def run_search(bench: Bench, search: dict, policy: str, offload: str, side: str,
         bench.report.setdefault("trials", []).append(
             {"model": bench.name, "search": search["kind"], "P": search["P"], "S": search["S"], "policy": policy,
              "side": side, "offload": offload, "total": total, "trains": outcome[0], "reason": outcome[1]})
-        write(bench.report, bench.out)
+        write(bench.report, bench.run)
         return outcome
 
     result = bracket(trains, predicted or step, step, args.frontier_max, stop_at, bench.log)
@@ -646,21 +633,21 @@ def verdicts(report: dict) -> dict:
     return out
 
 
-def write(report: dict, out: pathlib.Path, name: str = "memory_like_for_like") -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def write(report: dict, run: harness.RunFolder) -> None:
     report["verdicts"] = verdicts(report)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(markdown(report))
+    run.write(report, markdown(report))
 
 
 def _num(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict) -> list[str]:
+    """The report's tables (the run folder's header line names the command and the environment)."""
     c = report["config"]
-    lines = [f"`{c['command']}` on {c['gpu']}, torch {c['torch']}, transformers {c['transformers']}, {c['date']}, "
-             f"commit {c['commit']}", "",
+    measured = [f"Measured by `{c['command'].split('; replanned')[0]}` on {c['gpu']}, torch {c['torch']}, "
+                f"transformers {c['transformers']}, {c['date']}, commit {c['commit']}; the plan replanned here.", ""]
+    lines = measured * ("; replanned" in c["command"]) + [
              "Like for like: each row pairs PrefixFlow with the baseline under the same checkpointing policy and the "
              f"same rows per microbatch ({c['rows']}); {c['dtype']} weights and gradients, no optimizer step, "
              "gradients allocated before each step. `extra_recompute` is recompute beyond the policy. Peaks in GiB, "
@@ -709,7 +696,7 @@ def markdown(report: dict) -> str:
                 "kv_vs_on_max_difference": "0 (CPU); the on_vs_on floor (GPU)"}.get(
             name, f">= {TARGETS[name]}" if name in TARGETS else "(context)")
         lines.append(f"| {key} | {goal} | {value} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def replan(path: pathlib.Path) -> None:
@@ -730,13 +717,14 @@ def replan(path: pathlib.Path) -> None:
                     "plan_phase_a_peak_gib": gib(estimate.phase_a_peak_bytes),
                     "plan_phase_b_peak_gib": gib(estimate.phase_b_peak_bytes),
                     "plan_phase_c_peak_gib": gib(estimate.phase_c_peak_bytes),
-                    "plan_host_gib": gib(estimate.host_bytes), "replanned_at": git_commit()})
+                    "plan_host_gib": gib(estimate.host_bytes), "replanned_at": harness.git_commit()})
         if row.get("prefixflow_phase_b_peak_gib") is not None:
             row["plan_phase_b_error"] = round(row["prefixflow_phase_b_peak_gib"] / row["plan_phase_b_peak_gib"] - 1, 4)
         if row.get("baseline_peak_gib") is not None:
             row["plan_baseline_error"] = round(row["baseline_peak_gib"] / row["plan_baseline_peak_gib"] - 1, 4)
-    report["config"]["command"] += f"; replanned: python benchmarks/memory.py --replan {path}"
-    write(report, path.parent, path.stem + "_replanned")
+    run = harness.RunFolder("memory", path.parent, tag=path.stem + "_replanned")
+    report["config"]["command"] += f"; replanned: {run.command}"
+    write(report, run)
 
 
 def split_arg(text: str) -> str:
@@ -786,21 +774,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.replan is not None:
         return replan(args.replan)
-    command = " ".join(["python benchmarks/memory.py", *sys.argv[1:]])
+    run = harness.RunFolder("memory", args.out, tag="memory_like_for_like",
+                            gpu="CPU (--tiny: no memory statistics)" if args.tiny else None)
     if args.tiny:
         vars(args).update(TINY_ARGS)
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and loses much on a shared CPU
     unknown = set(args.policies.split(",")) - set(POLICIES)
     if unknown:
         raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {POLICIES}")
-    args.commit = args.commit or git_commit()
-    args.gpu = "CPU (--tiny: no memory statistics)" if args.tiny else torch.cuda.get_device_name()
+    args.commit = run.environment["commit"] = args.commit or run.environment["commit"]
+    args.gpu = run.environment["gpu"]
     sections = set(args.sections.split(","))
-    bench = Bench(args)
-    out = pathlib.Path(args.out)
-    report = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "command": command,
-                         "torch": torch.__version__, "transformers": transformers.__version__,
-                         "date": datetime.date.today().isoformat()},
+    bench = Bench(args, run)
+    report = {"config": {**run.environment, **{k: v for k, v in vars(args).items() if k != "out"},
+                         "command": run.command},
               "rows": [], "frontier": []}
     bench.report = report
     for name in args.models.split(","):
@@ -809,16 +796,16 @@ def main() -> None:
         report["config"]["dtype"] = str(next(bench.model.parameters()).dtype).removeprefix("torch.")
         bench.log(f"model {name} built on {args.gpu}, weights + gradients {bench.static_gib():.2f} GiB")
         if "fixed" in sections:
-            fixed(bench, report, out)
+            fixed(bench, report)
         if "frontier" in sections:
-            frontier(bench, report, out)
+            frontier(bench, report)
             if bench.device.type == "cuda":
                 torch.cuda.set_per_process_memory_fraction(1.0)
     if bench.device.type == "cuda":
         report["config"]["host_pool_peak_gib"] = round(bench.host_peak_bytes / GIB, 2)
         report["config"]["torch_pinned_peak_gib"] = round(
             torch.cuda.host_memory_stats()["allocated_bytes.peak"] / GIB, 2)
-    write(report, out)
+    write(report, run)
     bench.log(f"done: {json.dumps(report['verdicts'])}")
 
 

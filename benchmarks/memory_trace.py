@@ -12,7 +12,9 @@ Both runs are recorded, so what the first run left allocated shows under its fra
 used it, e.g. offload copies, are done).
 Single GPU: P=--prefix, N suffixes of --suffix tokens, one per wave, no checkpointing, offload on at each
 --shares value (`prefix_recompute`). --sp: the SP capacity run's group (non-reentrant checkpointing, offload on,
-N suffixes in one wave, sharded over the two ranks), traced on rank 0.
+N suffixes in one wave, sharded over the two ranks), traced on rank 0. With `--out`, a row per traced group (the two
+peaks and the ten largest frames) also goes to `memory_trace.json`, `.md` and a generated `MANIFEST.md` there (rank
+0, `harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import argparse
 import collections
 import gc
 import os
+import sys
 
 import torch
 
 from hf_prefixflow import _compat
+import harness
 import hf_prefixflow
 from speed import build, suffix_loss
 
@@ -83,13 +87,31 @@ def traced(run, device: int, free_on: str, collect: bool = False) -> tuple[float
     return torch.cuda.max_memory_allocated() / GIB, best, split
 
 
-def report(title: str, peak_gib: float, best: int, split: dict[str, int]) -> None:
+def report(title: str, peak_gib: float, best: int, split: dict[str, int]) -> dict:
+    """Print the peaks and the ten largest frames; the same as a row."""
     print(f"{title}: max_memory_allocated {peak_gib:.2f} GiB, traced live at the peak {best / GIB:.2f} GiB", flush=True)
-    for where, size in sorted(split.items(), key=lambda kv: -kv[1])[:10]:
+    top = sorted(split.items(), key=lambda kv: -kv[1])[:10]
+    for where, size in top:
         print(f"  {size / GIB:7.3f} GiB  {where}", flush=True)
+    return {"title": title, "max_allocated_gib": round(peak_gib, 3), "traced_peak_gib": round(best / GIB, 3),
+            "top": [{"where": where, "gib": round(size / GIB, 3)} for where, size in top]}
 
 
-def one_gpu(args) -> None:
+def write(rows: list[dict], args) -> None:
+    command = None
+    if args.sp:
+        command = f"torchrun --nproc_per_node {os.environ.get('WORLD_SIZE', 2)} benchmarks/memory_trace.py " + " ".join(
+            sys.argv[1:])
+    run = harness.RunFolder("memory_trace", args.out, command=command)
+    rows = [{**row, **run.environment} for row in rows]
+    lines = ["| group | max allocated GiB | traced at the peak GiB | largest frame |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['title']} | {r['max_allocated_gib']} | {r['traced_peak_gib']} | "
+              f"{r['top'][0]['gib'] if r['top'] else '-'} GiB `{r['top'][0]['where'] if r['top'] else '-'}` |"
+              for r in rows]
+    run.write(rows, lines)
+
+
+def one_gpu(args) -> list[dict]:
     model = build("qwen3-1.7b")
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (args.prefix[0],), device="cuda", generator=gen)
@@ -101,13 +123,16 @@ def one_gpu(args) -> None:
             for row in suffixes.split(1):
                 suffix_loss(g(row).logits, row).backward()
 
+    rows = []
     for share in args.shares:
         hf_prefixflow.apply_prefixflow(model, offload=True, prefix_recompute=share)
         title = f"P={args.prefix[0]} S={args.suffix} N={args.n} prefix_recompute={share}, live until {args.free_on}"
-        report(title + ", gc between runs" * args.gc, *traced(group, 0, args.free_on, args.gc))
+        rows.append(report(title + ", gc between runs" * args.gc, *traced(group, 0, args.free_on, args.gc)))
+    return rows
 
 
-def sequence_parallel(args) -> None:
+def sequence_parallel(args) -> list[dict]:
+    """The rows on rank 0, none on the others."""
     import torch.distributed as dist
 
     from hf_prefixflow.distributed import ulysses
@@ -119,6 +144,7 @@ def sequence_parallel(args) -> None:
     _compat.enable_checkpointing(model)
     model = hf_prefixflow.apply_prefixflow(model, offload=True)
     sp = ulysses.SequenceParallel()
+    rows = []
     for prefix in args.prefix:
         prompt = torch.randint(0, model.config.vocab_size, (prefix,), device="cuda")
         suffixes = torch.randint(0, model.config.vocab_size, (args.n, args.suffix), device="cuda")
@@ -134,8 +160,9 @@ def sequence_parallel(args) -> None:
 
         result = traced(group, rank, args.free_on)
         if rank == 0:
-            report(f"SP=2 P={prefix} S={args.suffix} N={args.n}, rank 0", *result)
+            rows.append(report(f"SP=2 P={prefix} S={args.suffix} N={args.n}, rank 0", *result))
     dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -148,15 +175,15 @@ def main() -> None:
     parser.add_argument("--free-on", default="free_requested", choices=["free_requested", "free_completed"],
                         help="the event that ends a block's life in the replay")
     parser.add_argument("--gc", action="store_true", help="one GPU: collect Python garbage between the two runs")
+    parser.add_argument("--out", default=None, help="a run folder for the rows (default: print only)")
     args = parser.parse_args()
     args.prefix = [int(p) for p in (args.prefix or ("8192" if args.sp else "10240")).split(",")]
     args.suffix = args.suffix or (256 if args.sp else 2048)
     args.n = args.n or (4 if args.sp else 3)
     args.shares = [float(s) for s in args.shares.split(",")]
-    if args.sp:
-        sequence_parallel(args)
-    else:
-        one_gpu(args)
+    rows = sequence_parallel(args) if args.sp else one_gpu(args)
+    if args.out and rows:
+        write(rows, args)
 
 
 if __name__ == "__main__":

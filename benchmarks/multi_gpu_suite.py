@@ -47,8 +47,9 @@ runs in a launch of its own, ended by a timeout if a rank runs out of memory ins
 wait forever). Reported: time, tokens/s (baseline: P + S; SP group: P + N*S) and peak memory per GPU, and whether
 SP=2 trained where the baseline OOMed.
 
-Writes `multi_gpu_suite.json` and `.md` under --out after every run (a run cut by --deadline-s keeps what finished;
-the fp64 reference run comes last whatever the deadline, within --reference-s), plus each run's log under `logs/`.
+Writes `multi_gpu_suite.json`, `.md` and a generated `MANIFEST.md` under --out after every run (`harness.RunFolder`;
+a run cut by --deadline-s keeps what finished; the fp64 reference run comes last whatever the deadline, within
+--reference-s), plus each run's log under `logs/`.
 Large snapshots stay in a scratch directory (--scratch, default a temp dir). Exits with 1 unless every engine passed
 at every record step and every broken variant failed.
 """
@@ -59,7 +60,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import signal
 import socket
 import subprocess
@@ -70,6 +70,7 @@ import time
 import torch
 
 import criterion
+import harness
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -117,7 +118,10 @@ class Suite:
     def __init__(self, args):
         self.args = args
         self.start = time.monotonic()
-        self.out = pathlib.Path(args.out)
+        device = "cpu (gloo)" if args.tiny else "cuda (nccl)"  # the GPU's name once a rank reports it
+        self.run = harness.RunFolder("multi_gpu_suite", args.out, gpu=device)  # CUDA stays untouched in this process
+        self.run.files["logs/"] = "each run's output"
+        self.out = self.run.path
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="multi_gpu_suite_"))
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -134,11 +138,11 @@ class Suite:
             precision_tokens=32 if tiny else 8192, granularity=8 if tiny else 1024, tiny_oom_tokens=300,
             collective_timeout_s=120, offload=True, sp_timeout_s=60 if tiny else 150, reserve_s=5 if tiny else 25)
         self.result = {
-            "suite": "benchmarks/multi_gpu_suite.py",
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "suite": "benchmarks/multi_gpu_suite.py", "command": self.run.command,
             "criterion": f"worst parameter's gradient error ratio to the baseline's <= {criterion.LIMIT}",
             "tolerance": criterion.PAPER, "record_steps": self.steps, "train_config": self.train_cfg,
-            "capacity_config": self.capacity_cfg, "env": env(tiny), "runs": {}, "equivalence": [], "capacity": None,
+            "capacity_config": self.capacity_cfg, "env": {**self.run.environment, "device": device}, "runs": {},
+            "equivalence": [], "capacity": None,
             "skipped": []}
         self.trained: list[str] = []
 
@@ -178,6 +182,7 @@ class Suite:
                 run["completed"] = True  # rank 0 finished and wrote its snapshots (rc may be a teardown crash)
         if run.get("gpu") and "gpus" not in self.result["env"]:
             self.result["env"]["gpus"] = [run["gpu"]] * torch.cuda.device_count()
+            self.result["env"]["gpu"] = self.run.environment["gpu"] = run["gpu"]
         print(f"[{self.elapsed():6.1f}s] {name}: rc={rc} in {run['wall_s']} s", flush=True)
         self.result["runs"][name] = run
         return run
@@ -268,8 +273,7 @@ class Suite:
     def write(self) -> None:
         self.result["elapsed_s"] = round(self.elapsed(), 1)
         self.result["as_required"] = self.as_required()
-        (self.out / "multi_gpu_suite.json").write_text(json.dumps(self.result, indent=1))
-        (self.out / "multi_gpu_suite.md").write_text(markdown(self.result))
+        self.run.write(self.result, markdown(self.result), title="Multi-GPU equivalence and SP capacity")
 
 
 def descendants(pid: int) -> list[int]:
@@ -308,24 +312,10 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def env(tiny: bool) -> dict:
-    from importlib import metadata
-
-    info = {"torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-            "device": "cpu (gloo)" if tiny else "cuda (nccl)"}
-    for module in ("transformers", "trl", "accelerate", "deepspeed", "peft"):
-        try:
-            info[module] = metadata.version(module)
-        except Exception as exc:  # noqa: BLE001
-            info[module] = f"unavailable: {type(exc).__name__}"
-    return info
-
-
-def markdown(r: dict) -> str:
-    e, c = r["env"], r["train_config"]
-    lines = [f"# Multi-GPU equivalence and SP capacity ({e.get('gpus', [e['device']])[0]}, torch {e['torch']}, "
-             f"transformers {e['transformers']}, {e['date']})", "",
-             f"`{r['command']}` — {r['elapsed_s']} s. Qwen3 shape: {c['layers']} layers, hidden {c['hidden']}, "
+def markdown(r: dict) -> list[str]:
+    """The report's tables (the run folder's header line names the command and the environment)."""
+    c = r["train_config"]
+    lines = [f"Wall time {r['elapsed_s']} s. Qwen3 shape: {c['layers']} layers, hidden {c['hidden']}, "
              f"{c['heads']}/{c['kv_heads']} heads, vocab {c['vocab']}; prompts {c['prompt'][0]}-{c['prompt'][1]} "
              f"tokens, completions up to {c['completion']}, N={c['n']}, {c['global_rows']} rows per step in "
              f"{c['gas']} microbatches per process; {c['optim']} lr {c['lr']:g}, no clipping. Baseline: stock "
@@ -384,7 +374,7 @@ def markdown(r: dict) -> str:
                           f"{cap.get('baseline_smallest_oom_P')}. SP=2: largest fitting P "
                           f"{cap.get('sp2_largest_fitting_P')}; "
                           f"trains where the baseline OOMs: {cap.get('sp2_trains_where_baseline_ooms')}."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:

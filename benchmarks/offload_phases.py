@@ -13,7 +13,9 @@ training step runs); median of `--repeats` groups after two warm-up groups, the 
 (and each group's time against the first variant's in its round); Phase B's peak allocated memory from one more group.
 `--profile B` (or `A`, `C`) adds a profile of that phase alone per variant: its kernel time, and the time the compute
 stream had no kernel running. `--compare-gradients V` checks that the variants train alike: each one's gradients
-against variant V's.
+against variant V's. With `--out`, a row per variant (its medians, Phase-B peak, paired ratio, and the gradient
+comparison and profile summary where run) also goes to `offload_phases.json`, `.md` and a generated `MANIFEST.md`
+there (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import harness
 from hf_prefixflow import _compat
 import hf_prefixflow
 from hf_prefixflow.core.recompute import RESIDUAL_MLP_LAYERS
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--compare-gradients", metavar="VARIANT",
                         help="also train one group per variant from zero gradients and compare the others' "
                              "gradients with this variant's (kept on the host)")
+    parser.add_argument("--out", default=None, help="a run folder for the rows (default: print only)")
     args = parser.parse_args()
     variants = args.variants.split(",")
 
@@ -149,6 +153,8 @@ def main() -> None:
     for variant in variants:
         for _ in range(2):
             group(model, prompt, waves, variant)
+    setting = {k: getattr(args, k) for k in ("model", "prefix", "suffix", "n", "wave", "compile", "checkpointing")}
+    rows = {v: {**setting, "variant": v} for v in variants}
     times = {v: [] for v in variants}
     for _ in range(args.repeats):
         for variant in variants:
@@ -157,6 +163,8 @@ def main() -> None:
         a, b, c = (statistics.median(t[i] for t in times[variant]) for i in range(3))
         peak = group(model, prompt, waves, variant, watch=contextlib.nullcontext())[3]
         paired = [sum(t[:3]) / sum(r[:3]) - 1 for t, r in zip(times[variant], times[variants[0]])]
+        rows[variant].update(a_ms=round(a, 2), b_ms=round(b, 2), c_ms=round(c, 2), group_ms=round(a + b + c, 2),
+                             phase_b_peak_gib=round(peak, 3), paired_group_ratio=round(statistics.median(paired), 4))
         print(f"{variant}: A {a:.1f} ms, B {b:.1f} ms, C {c:.1f} ms, group {a + b + c:.1f} ms; "
               f"Phase-B peak {peak:.2f} GiB; against {variants[0]}, median of the per-round group ratios "
               f"{statistics.median(paired):+.1%}", flush=True)
@@ -168,6 +176,8 @@ def main() -> None:
         ratios = {name: ((actual[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-30)).item()
                   for name, grad in reference.items()}
         worst = max(ratios, key=ratios.get)
+        rows[variant].update(gradients_against=base, gradients_bitwise_equal=equal, worst_gradient_ratio=ratios[worst],
+                             worst_gradient_parameter=worst)
         print(f"{variant}: gradients {'bitwise equal to' if equal else 'differ from'} {base}'s (max |difference| / "
               f"max |gradient|: worst {ratios[worst]:.2e} in {worst}, median over parameters "
               f"{statistics.median(ratios.values()):.2e})", flush=True)
@@ -175,10 +185,23 @@ def main() -> None:
         prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
         group(model, prompt, waves, variant, watch=prof, phase=args.profile)
         kernels, idle, span = compute_stream_profile(prof)
+        rows[variant].update({f"phase_{args.profile.lower()}_profile_ms": {"kernels": round(kernels, 2),
+                                                                          "idle": round(idle, 2),
+                                                                          "span": round(span, 2)}})
         print(f"== {variant}, Phase {args.profile} profiled: compute stream {kernels:.1f} ms of kernels, "
               f"{idle:.1f} ms idle, {span:.1f} ms span", flush=True)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows), flush=True)
+    if args.out:
+        run = harness.RunFolder("offload_phases", args.out)
+        rows = [{**row, **run.environment} for row in rows.values()]
+        run.write(rows, [f"{args.model}, P={args.prefix}, S={args.suffix}, N={args.n}, wave {args.wave}; median of "
+                         f"{args.repeats} groups after two, variants interleaved.", "",
+                         "| variant | A ms | B ms | C ms | group ms | Phase-B peak GiB "
+                         "| against the first, per round |",
+                         "| --- " * 7 + "|"] + [
+            f"| {r['variant']} | {r['a_ms']} | {r['b_ms']} | {r['c_ms']} | {r['group_ms']} | {r['phase_b_peak_gib']} | "
+            f"{r['paired_group_ratio']:+.1%} |" for r in rows])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
 Generation is replaced in both trainers by the same frozen completions (random tokens, `--completion` long, half of
 them ending early on EOS), so the steps time what the trainers differ in: the two scoring passes, the loss, the
 backward and Phase C. The model is random-init from a config; the prompts are synthetic documents of `--passages`
-passages (about 10 tokens each).
+passages (about 10 tokens each). With `--out`, the row (medians over the steps after the first, each step's seconds
+and losses, PrefixFlow's logged metrics) also goes to `online_dpo_long_prompt.json`, `.md` and a generated
+`MANIFEST.md` there (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"
 import synthetic  # noqa: E402
 from step_timing import StepTimer  # noqa: E402
 
+import harness  # noqa: E402 - benchmarks/harness.py
 from hf_prefixflow import PrefixFlowOnlineDPOTrainer  # noqa: E402
 
 TRAINERS = {"stock": OnlineDPOTrainer, "prefixflow": PrefixFlowOnlineDPOTrainer}
@@ -94,6 +97,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--out", default=None, help="a run folder for the row (default: print only)")
     args = parser.parse_args(argv)
     tokenizer = synthetic.make_tokenizer()
     model = synthetic.make_model(tokenizer, hidden=args.hidden, layers=args.layers)
@@ -109,6 +113,21 @@ def main(argv=None) -> None:
               f"  {extra}")
     stock, pf = (statistics.median(results[n][0][1:] or results[n][0]) for n in TRAINERS)
     print(f"speedup {stock / pf:.2f}x")
+    if args.out:
+        folder = harness.RunFolder("online_dpo_long_prompt", args.out, argv=argv)
+        row = {k: getattr(args, k)
+               for k in ("passages", "completion", "batch_size", "hidden", "layers", "bf16", "steps")}
+        for name, (times, logs) in results.items():
+            row.update({f"{name}_s": round(statistics.median(times[1:] or times), 4),
+                        f"{name}_steps_s": [round(t, 4) for t in times],
+                        f"{name}_losses": [log["loss"] for log in logs]})
+        row.update(speedup=round(stock / pf, 3), prefixflow_metrics={
+            k: v for k, v in results["prefixflow"][1][-1].items() if k.startswith("prefixflow/")}, **folder.environment)
+        folder.write([row], ["Median of the steps after the first.", "",
+                          "| passages | completion | batch | hidden x layers | stock s | PrefixFlow s | speedup |",
+                          "| --- " * 7 + "|",
+                          f"| {row['passages']} | {row['completion']} | {row['batch_size']} | {row['hidden']} x "
+                          f"{row['layers']} | {row['stock_s']} | {row['prefixflow_s']} | {row['speedup']}x |"])
 
 
 if __name__ == "__main__":

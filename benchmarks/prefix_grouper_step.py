@@ -34,7 +34,8 @@ Each side: one warm-up group, then the median of `--repeats` timed groups, the p
 `full` and its share of the FLOP ratio `ModelShape.bound(P, [S] * N)`. Under `--tiny` (a tiny Qwen3 on the CPU, a
 short prompt and three completions of uneven lengths) the script first compares every parameter's gradient of the
 two grouped sides against `full` and prints the worst relative error (about 1e-7 when right: the weights are
-float64, RoPE's cos/sin tables float32).
+float64, RoPE's cos/sin tables float32). Rows go to `prefix_grouper_step.json` and `.md` in `--out` (a run replaces
+an earlier row of the same setting), with a generated `MANIFEST.md` (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -44,21 +45,18 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import pathlib
-import statistics
-import time
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-import transformers
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow import _compat
 from hf_prefixflow.planning.flops import ModelShape
-from speed import SHAPES, baseline_group, build, prefixflow_group, random_group, suffix_loss, timed
+import harness
+from speed import SHAPES, baseline_group, build, prefixflow_group, random_group, suffix_loss
 
 ATTENTION = "prefix_grouper_sdpa"
 LAYOUT_KWARG = "prefix_layout"
@@ -219,22 +217,13 @@ def gradient_errors(model: torch.nn.Module, prompt: torch.Tensor, suffixes: list
 def measure(model: torch.nn.Module, run: Callable[[], None], repeats: int) -> tuple[float, float | None]:
     """Median seconds over `repeats` after one warm-up, and the peak allocated GiB (None on the CPU)."""
     model.zero_grad(set_to_none=True)
-    if torch.cuda.is_available():
-        seconds, peak, _ = timed(run, repeats, run)
-    else:
-        run()
-        seconds, peak = statistics.median(_cpu_seconds(run) for _ in range(repeats)), None
+    seconds, peak, _ = harness.timed(run, repeats, run)
     model.zero_grad(set_to_none=True)
     return seconds, peak
 
 
-def _cpu_seconds(run: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-def row(args, model: torch.nn.Module, prompt: torch.Tensor, suffixes: list[torch.Tensor]) -> dict:
+def row(args, model: torch.nn.Module, prompt: torch.Tensor, suffixes: list[torch.Tensor],
+        environment: dict) -> dict:
     lengths = [len(s) for s in suffixes]
     bound = ModelShape.from_config(model.config).bound(len(prompt), lengths)
     result = {"model": "tiny-qwen3" if args.tiny else args.model, "P": len(prompt), "S": lengths, "N": len(suffixes),
@@ -252,9 +241,7 @@ def row(args, model: torch.nn.Module, prompt: torch.Tensor, suffixes: list[torch
     for side in SIDES[1:]:
         speedup = result["full_s"] / result[f"{side}_s"]
         result[f"{side}_speedup"], result[f"{side}_share_of_flop_ratio"] = round(speedup, 3), round(speedup / bound, 3)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    result.update(repeats=args.repeats, device=device, torch=torch.__version__,
-                  transformers=transformers.__version__, date=datetime.date.today().isoformat())
+    result.update(repeats=args.repeats, **environment)
     return result
 
 
@@ -270,13 +257,11 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def write(rows: list[dict], out: pathlib.Path) -> None:
+def write(rows: list[dict], run: harness.RunFolder) -> None:
     """Rows to `prefix_grouper_step.json` and `.md`; a run replaces an earlier row of the same setting."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "prefix_grouper_step.json"
+    path = run.path / "prefix_grouper_step.json"
     kept = [r for r in (json.loads(path.read_text()) if path.exists() else []) if _key(r) not in map(_key, rows)]
     rows = kept + rows
-    path.write_text(json.dumps(rows, indent=1))
     lines = ["Prefix Grouper's layout runs on SDPA (`prefix_grouper_sdpa`), not its FlashAttention-2 hook.", "",
              "| model | P / S | N | ckpt | full s | PG s | PF s | PG speedup | PF speedup | FLOP ratio | PG share | "
              "PF share | peak GiB full / PG / PF | grad rel err PG / PF | device |", "| --- " * 15 + "|"]
@@ -288,8 +273,9 @@ def write(rows: list[dict], out: pathlib.Path) -> None:
             f"| {r['full_s']:.3f} | {r['prefix_grouper_s']:.3f} | {r['prefixflow_s']:.3f} "
             f"| {r['prefix_grouper_speedup']:.2f}x | {r['prefixflow_speedup']:.2f}x | {r['flop_ratio']:.2f}x "
             f"| {r['prefix_grouper_share_of_flop_ratio']:.1%} | {r['prefixflow_share_of_flop_ratio']:.1%} "
-            f"| {' / '.join(_gib(r[f'{side}_peak_gib']) for side in SIDES)} | {errors} | {r['device']} |")
-    (out / "prefix_grouper_step.md").write_text("\n".join(lines) + "\n")
+            f"| {' / '.join(_gib(r[f'{side}_peak_gib']) for side in SIDES)} | {errors} "
+            f"| {r.get('gpu', r.get('device'))} |")  # rows written before the harness: `device`
+    run.write(rows, lines)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -319,9 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = prepare(build(args.model, prefixflow=False), checkpointing)  # bf16 on CUDA
         prompt, suffixes = random_group(model, args.prefix, args.suffix, args.n)
-    result = row(args, model, prompt, suffixes)
+    run = harness.RunFolder("prefix_grouper_step", args.out, argv=argv)
+    result = row(args, model, prompt, suffixes, run.environment)
     print(json.dumps(result), flush=True)
-    write([result], pathlib.Path(args.out))
+    write([result], run)
 
 
 if __name__ == "__main__":

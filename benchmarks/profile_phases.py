@@ -2,32 +2,25 @@
 
     python benchmarks/profile_phases.py --model qwen3-1.7b --prefix 10240 --suffix 2048 --n 4
 
-Prints (and writes to `profile_<model>.txt`): baseline time per sequence; Phase A, per-wave B and Phase C times
-(CUDA events, after a warm-up) with the TFLOP/s each reaches by `hf_prefixflow.planning.flops` (Phase A is a third of the
-prefix's training FLOPs, C the rest): a phase well below the baseline's rate is where the FLOP bound is lost; then
-torch.profiler's top CUDA kernels for one baseline sequence and for one group.
+Prints (and writes to `profile_<model>.txt`, `_offload` appended with `--offload`): baseline time per sequence;
+Phase A, per-wave B and Phase C times (CUDA events, after a warm-up) with the TFLOP/s each reaches by
+`hf_prefixflow.planning.flops` (Phase A is a third of the prefix's training FLOPs, C the rest): a phase well below the
+baseline's rate is where the FLOP bound is lost; then torch.profiler's top CUDA kernels for one baseline sequence and
+for one group. The times and rates also go to `profile_<model>.json` and `.md`, with a generated `MANIFEST.md`
+(`harness.RunFolder`).
 """
 
 from __future__ import annotations
 
 import datetime
-import pathlib
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import harness
 import hf_prefixflow
 from hf_prefixflow.planning.flops import ModelShape
 from speed import baseline_group, build, group_parser, random_group, suffix_loss
-
-
-def events_time(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000
 
 
 def phases(model, prompt, suffixes, wave: int = 1) -> dict[str, float]:
@@ -39,11 +32,11 @@ def phases(model, prompt, suffixes, wave: int = 1) -> dict[str, float]:
         nonlocal group
         group = scope.__enter__()
 
-    times["A"] = events_time(enter)
+    times["A"] = harness.seconds(enter)
     for start in range(0, len(suffixes), wave):
         batch = torch.stack(suffixes[start : start + wave])
-        times["B"] += events_time(lambda: suffix_loss(group(batch).logits, batch).backward())
-    times["C"] = events_time(lambda: scope.__exit__(None, None, None))
+        times["B"] += harness.seconds(lambda: suffix_loss(group(batch).logits, batch).backward())
+    times["C"] = harness.seconds(lambda: scope.__exit__(None, None, None))
     return times
 
 
@@ -70,7 +63,7 @@ def main() -> None:
     for _ in range(2):  # warm-up: allocator, cuBLAS handles, kernel selection
         baseline_group(model, prompt, suffixes[:1])
         phases(model, prompt, suffixes, args.wave)
-    per_sequence = events_time(lambda: baseline_group(model, prompt, suffixes[:1]))
+    per_sequence = harness.seconds(lambda: baseline_group(model, prompt, suffixes[:1]))
     split = phases(model, prompt, suffixes, args.wave)
     shape, p, s = ModelShape.from_config(model.config), args.prefix, args.suffix
     prefix_flops = shape.prefixflow(p, [])
@@ -87,10 +80,14 @@ def main() -> None:
              "== PrefixFlow, one group ==", top_kernels(lambda: phases(model, prompt, suffixes, args.wave), args.rows)]
     text = "\n".join(lines)
     print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = "_offload" if args.offload else ""
-    (out / f"profile_{args.model}{suffix}.txt").write_text(text + "\n")
+    run = harness.RunFolder("profile_phases", args.out, tag=f"profile_{args.model}{'_offload' * args.offload}")
+    row = {"model": args.model, "P": p, "S": s, "N": args.n, "wave": args.wave, "offload": args.offload,
+           "prefix_recompute": args.prefix_recompute, "baseline_per_sequence_s": round(per_sequence, 4),
+           **{f"phase_{k.lower()}_s": round(v, 4) for k, v in split.items()},
+           **{f"{'phase_' * (k != 'baseline')}{k.lower()}_tflops": round(v / 1e12, 1) for k, v in rate.items()},
+           **run.environment}
+    run.write([row], [f"- {line}" for line in lines[:4]])
+    run.attach(f"{run.stem}.txt", text + "\n", "the times and the top kernels")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Later files win for the same (model, mode, P, S, N, wave, offload); each row keeps the file it came from in `source`
 (run folder and name; rows of a `speed_table.json` given as input keep theirs, so a new table is the old one plus the
-new files). The output goes to a run folder of its own (default `benchmarks/results/<today>_speed_report`).
+new files). The output goes to a run folder of its own (default `benchmarks/results/<today>_speed_report`):
+`speed_table.json`, `.md`, `speedup_vs_n.png` and a generated `MANIFEST.md` (`harness.RunFolder`).
 `with cost model` is what PrefixFlowGRPOTrainer runs: PrefixFlow where `hf_prefixflow.planning.flops.MIN_SPEEDUP` says a
 group pays, else the plain path, which is the baseline (1.00x).
 The plot has a row of panels per model and mode; the paper's eager Llama3-8B points (10k/2k split, H20, TP2 CP4)
@@ -18,6 +19,7 @@ import datetime
 import json
 import pathlib
 
+import harness
 from hf_prefixflow.planning.flops import MIN_SPEEDUP
 
 PAPER_10K_2K = {16: 3.800, 32: 4.115, 128: 4.395}
@@ -37,8 +39,6 @@ def main() -> None:
             path = pathlib.Path(name)
             rows[key] = {**row, "source": row.get("source", f"{path.parent.name}/{path.name}")}
     ordered = [rows[k] for k in sorted(rows)]
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for row in ordered:
         row["with_cost_model"] = row["speedup"] if row["flop_bound"] >= MIN_SPEEDUP else 1.0
     lines = ["| model | mode | P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share | "
@@ -47,9 +47,10 @@ def main() -> None:
               f"{r['N']} | {r.get('wave', 1)} | "
               f"{r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | {r['speedup']:.2f}x | {r['flop_bound']:.2f}x | "
               f"{share(r):.1%} | {r['with_cost_model']:.2f}x | {r['source']} |" for r in ordered]
-    (out / "speed_table.json").write_text(json.dumps(ordered, indent=1))
-    (out / "speed_table.md").write_text("\n".join(lines) + "\n")
-    plot(ordered, out / "speedup_vs_n.png")
+    run = harness.RunFolder("report", args.out, tag="speed_table")
+    run.write(ordered, lines)
+    plot(ordered, run.path / "speedup_vs_n.png")
+    run.attach("speedup_vs_n.png", what="speedup against N, the FLOP bound beside it")
 
 
 def share(row: dict) -> float:

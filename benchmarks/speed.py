@@ -7,7 +7,8 @@ PrefixFlow runs the prefix once and the suffixes as waves of `--wave` suffixes (
 against one baseline measurement). Same model object, bf16 weights and gradients (full-parameter, no optimizer
 step), same loss on suffix tokens only, same attention kernels. Each row: a warm-up group (its first
 `--warmup-rows` suffixes, or all), then the median of `--repeats` timed groups (CUDA events), peak allocated memory,
-and the FLOP bound from `hf_prefixflow.planning.flops`.
+and the FLOP bound from `hf_prefixflow.planning.flops`. Rows go to `<--tag>.json`, `.md` and a generated `MANIFEST.md`
+in `--out` after each one (`harness.RunFolder`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import pathlib
 
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefixflow
 from hf_prefixflow.planning.flops import ModelShape
-from timing import median_seconds
+import harness
 
 SHAPES = {
     "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -96,39 +95,14 @@ def prefixflow_group(model, prompt, suffixes, wave: int) -> None:
             suffix_loss(group(batch).logits, batch).backward()
 
 
-def timed(fn, repeats: int, warm_up) -> tuple[float, float, int]:
-    """Median seconds of `fn` over `repeats` runs after one `warm_up()`, the peak allocated GiB, and how often the
-    allocator had to free its cache and retry (each retry synchronises the device: a run near the memory limit pays
-    for it)."""
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    warm_up()
-    seconds = median_seconds(fn, repeats, warmup=0, after_warmup=torch.cuda.reset_peak_memory_stats)
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
-    return seconds, torch.cuda.max_memory_allocated() / 2**30, retries
-
-
-def write(rows: list[dict], args) -> None:
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
-    flags = f" --repeats {args.repeats}" + " --compile" * args.compile + " --lora" * args.lora
-    flags += " --offload" * args.offload
-    if args.warmup_rows:
-        flags += f" --warmup-rows {args.warmup_rows}"
-    if args.prefix_recompute is not None:
-        flags += f" --prefix-recompute {args.prefix_recompute}"
-    first = rows[0]
-    command = (f"python benchmarks/speed.py --model {args.model} --splits {args.splits} --n {args.n} "
-               f"--wave {args.wave}{flags}")
-    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, "
-             f"{first['date']}", "",
-             "| P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | "
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| P / S | N | wave | baseline s | PrefixFlow s | speedup | FLOP bound | share of bound | "
              "peak GiB base / PF | allocator retries base / PF |", "| --- " * 10 + "|"]
-    lines += [f"| {r['P']} / {r['S']} | {r['N']} | {r['wave']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | "
-              f"{r['speedup']:.2f}x | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | "
-              f"{r['baseline_peak_gib']:.1f} / {r['prefixflow_peak_gib']:.1f} | "
-              f"{r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |" for r in rows]
-    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
+    return lines + [
+        f"| {r['P']} / {r['S']} | {r['N']} | {r['wave']} | {r['baseline_s']:.3f} | {r['prefixflow_s']:.3f} | "
+        f"{r['speedup']:.2f}x | {r['flop_bound']:.2f}x | {r['share_of_bound']:.1%} | "
+        f"{r['baseline_peak_gib']:.1f} / {r['prefixflow_peak_gib']:.1f} | "
+        f"{r['baseline_alloc_retries']} / {r['prefixflow_alloc_retries']} |" for r in rows]
 
 
 def main() -> None:
@@ -151,6 +125,7 @@ def main() -> None:
     parser.add_argument("--out", default=f"benchmarks/results/{datetime.date.today()}_speed")
     parser.add_argument("--tag", default="speed")
     args = parser.parse_args()
+    run = harness.RunFolder("speed", args.out, args.tag)
 
     model = hf_prefixflow.apply_prefixflow(build(args.model, compile=args.compile, lora=args.lora), offload=args.offload,
                                            prefix_recompute=args.prefix_recompute)
@@ -165,12 +140,13 @@ def main() -> None:
             prompt = torch.randint(0, vocab, (prefix,), device="cuda", generator=gen)
             suffixes = list(torch.randint(0, vocab, (n, suffix), device="cuda", generator=gen))
             warm = suffixes[:args.warmup_rows] if args.warmup_rows else suffixes  # every row has the same shapes
-            base_s, base_gib, base_retries = timed(lambda: baseline_group(model, prompt, suffixes), args.repeats,
-                                                   lambda: baseline_group(model, prompt, warm))
+            base_s, base_gib, base_retries = harness.timed(lambda: baseline_group(model, prompt, suffixes),
+                                                           args.repeats, lambda: baseline_group(model, prompt, warm))
             bound = shape.bound(prefix, [suffix] * n)
             for wave in map(int, args.wave.split(",")):  # against the one baseline measurement above
-                pf_s, pf_gib, pf_retries = timed(lambda: prefixflow_group(model, prompt, suffixes, wave), args.repeats,
-                                                 lambda: prefixflow_group(model, prompt, warm, wave))
+                pf_s, pf_gib, pf_retries = harness.timed(
+                    lambda: prefixflow_group(model, prompt, suffixes, wave), args.repeats,
+                    lambda: prefixflow_group(model, prompt, warm, wave))
                 model.zero_grad(set_to_none=True)
                 rows.append({
                     "model": model_name, "mode": "compile" if args.compile else "eager", "P": prefix, "S": suffix,
@@ -179,11 +155,9 @@ def main() -> None:
                     "flop_bound": round(bound, 3), "share_of_bound": round(base_s / pf_s / bound, 3),
                     "baseline_peak_gib": round(base_gib, 2), "prefixflow_peak_gib": round(pf_gib, 2),
                     "baseline_alloc_retries": base_retries, "prefixflow_alloc_retries": pf_retries,
-                    "repeats": args.repeats, "warmup_rows": args.warmup_rows, "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "date": datetime.date.today().isoformat()})
+                    "repeats": args.repeats, "warmup_rows": args.warmup_rows, **run.environment})
                 print(json.dumps(rows[-1]), flush=True)
-                write(rows, args)  # after every row, so a run cut short keeps what it measured
+                run.write(rows, table(rows))  # after every row, so a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

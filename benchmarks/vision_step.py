@@ -14,9 +14,10 @@ checkpointing as `--checkpointing` says. Steps are timed as `trainer_step.py` ti
 after `--warmup`, the peak allocated memory, and the FLOP ratio of a group: N full sequences (the vision tower run
 once per completion) over PrefixFlow's one prompt pass (the tower once) and N suffix passes.
 
-Rows go to `vision_step.json` and `.md` in `--out` (default `benchmarks/results/<today>_vision_step/`);
-`--profile` profiles one step per trainer instead (`vision_step_profile.json` / `.md`: trainer_step.py's phase
-ranges, GPU-busy time, the operators by host time).
+Rows go to `vision_step.json`, `.md` and a generated `MANIFEST.md` in `--out` (default
+`benchmarks/results/<today>_vision_step/`; `harness.RunFolder`); `--profile` profiles one step per trainer instead
+(`vision_step_profile.json` / `.md`: trainer_step.py's phase ranges, GPU-busy time, the operators by host time);
+`--tower` writes `vision_tower.json`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import tempfile
 import time
 
 import torch
-import transformers
 from datasets import Dataset
 from transformers import PrinterCallback, TrainerCallback, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from trl import GRPOConfig, GRPOTrainer
@@ -42,9 +42,9 @@ from hf_prefixflow import PrefixFlowGRPOTrainer
 from hf_prefixflow.planning.flops import ModelShape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import synthetic_vision  # noqa: E402 - the examples' synthetic task
-from step_timing import sync  # noqa: E402
-from trainer_step import (device_name, git_commit, profile_markdown, profiled_step, release,  # noqa: E402
-                          train_measured)
+
+import harness  # noqa: E402 - benchmarks/harness.py
+from trainer_step import profile_markdown, profiled_step, release, train_measured  # noqa: E402
 
 TRAINERS = {"stock": GRPOTrainer, "prefixflow": PrefixFlowGRPOTrainer}
 PATCH, MERGE = 14, 2  # Qwen2-VL's patch side and the 2x2 merge of patches into one token
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="time the vision tower's forward and backward on one prompt's images and on N prompts' "
                              "(checkpointed as TRL runs it) instead of whole steps: its share of the stock step")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse HEAD)")
+    parser.add_argument("--commit", default=None, help="recorded commit (default: harness.git_commit)")
     parser.add_argument("--out", help="output folder (default: benchmarks/results/<today>_vision_step)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -219,7 +219,7 @@ def _matmul_weights(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
 
 
-def measure(args, checkpointing: bool, commit: str) -> dict:
+def measure(args, checkpointing: bool, environment: dict) -> dict:
     runs = {name: run(name, args, checkpointing) for name in args.trainers.split(",")}
     flops = next(iter(runs.values()))["flops"]
     row = {"model": "tiny-qwen2-vl" if args.tiny else "qwen2.5-vl-3b", "images": args.images,
@@ -238,17 +238,13 @@ def measure(args, checkpointing: bool, commit: str) -> dict:
     row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3) if len(runs) == 2 else None
     if len(runs) == 2:  # per step pair: the timed steps ran the same prompts on both sides
         row["step_speedups"] = [round(a / b, 3) for a, b in zip(row["stock_steps_s"], row["prefixflow_steps_s"])]
-    row.update(warmup=args.warmup, timed_steps=args.steps, gpu=device_name(), torch=torch.__version__,
-               transformers=transformers.__version__, commit=commit, date=datetime.date.today().isoformat())
+    row.update(warmup=args.warmup, timed_steps=args.steps, **environment)
     return row
 
 
-def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vision_step.json").write_text(json.dumps(rows, indent=1))
+def table(rows: list[dict]) -> list[str]:
     first = rows[0]
-    lines = [f"`{command}` on {first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, commit "
-             f"{first['commit']}, {first['date']}; median of {first['timed_steps']} steps after {first['warmup']}", "",
+    lines = [f"Median of {first['timed_steps']} steps after {first['warmup']}.", "",
              "| model | images x tokens | text words | S | N | checkpointing | stock s | PrefixFlow s | speedup "
              "| FLOP ratio (vision share) | image processor s stock / PF | peak GiB stock / PF "
              "| shared groups / fallback rows |",
@@ -261,10 +257,10 @@ def write(rows: list[dict], out: pathlib.Path, command: str) -> None:
                      f"({r['vision_flop_share_stock']:.0%}) | {r.get('stock_image_processing_s', '-')} / "
                      f"{r.get('prefixflow_image_processing_s', '-')} | {peaks} "
                      f"| {r.get('prefixflow_groups', '-')} / {r.get('prefixflow_fallback_rows', '-')} |")
-    (out / "vision_step.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
-def profile(args, out: pathlib.Path, command: str, commit: str) -> None:
+def profile(args, run: harness.RunFolder) -> None:
     """`--profile`: each trainer's step after `--warmup`, under the torch profiler (checkpointing off only when
     `--checkpointing off`)."""
     args.steps = 1
@@ -275,17 +271,13 @@ def profile(args, out: pathlib.Path, command: str, commit: str) -> None:
         phases, ops[name] = profiled_step(trainer, args.warmup)
         release(trainer)
         rows += [{"trainer": name, **r} for r in phases]
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": command, "gpu": device_name(), "torch": torch.__version__, "commit": commit,
-            "date": datetime.date.today().isoformat()}
-    (out / "vision_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
-                                                             indent=1))
-    text = profile_markdown(f"`{command}` on {meta['gpu']}, commit {commit}: one step after {args.warmup}.", rows, ops)
-    (out / "vision_step_profile.md").write_text(text)
+    meta = {"command": run.command, **run.environment}
+    text = profile_markdown(f"One step after {args.warmup}.", rows, ops)
+    run.write({"meta": meta, "phases": rows, "top_host_ops": ops}, text.splitlines())
     print(text, flush=True)
 
 
-def tower(args, out: pathlib.Path, command: str, commit: str) -> dict:
+def tower(args, run: harness.RunFolder) -> dict:
     """`--tower`: seconds of the vision tower's forward and backward (TRL's checkpointing) on one prompt's images,
     as PrefixFlow's Phase A runs it, and on N prompts' images, as the stock microbatch does; median of 3 after one,
     each timing printed as it ends."""
@@ -298,43 +290,44 @@ def tower(args, out: pathlib.Path, command: str, commit: str) -> dict:
     device = next(model.parameters()).device
     pixels, grid = inputs["pixel_values"].to(device, torch.bfloat16 if device.type == "cuda" else None), \
         inputs["image_grid_thw"].to(device)
-    row = {"images": args.images, "image_tokens": args.image_tokens, "N": args.n, "gpu": device_name(),
-           "commit": commit, "command": command}
+    row = {"images": args.images, "image_tokens": args.image_tokens, "N": args.n, "command": run.command,
+           **run.environment}
     for copies in (1, args.n):
         times = []
         for _ in range(4):
-            sync()
+            harness.sync()
             start = time.perf_counter()
             embedded = model.model.visual(pixels.repeat(copies, 1), grid_thw=grid.repeat(copies, 1))
             if not isinstance(embedded, torch.Tensor):  # transformers 5.x: the merged tokens are the pooler output
                 embedded = embedded.pooler_output if embedded.pooler_output is not None else embedded[0]
             embedded.float().sum().backward()
-            sync()
+            harness.sync()
             times.append(time.perf_counter() - start)
             print(f"vision tower, {copies} prompt(s) of images: {times[-1]:.3f} s", flush=True)  # kept if cut short
         model.zero_grad(set_to_none=True)
         row[f"tower_s_{copies}_prompts"] = round(statistics.median(times[1:]), 4)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vision_tower.json").write_text(json.dumps(row, indent=1))
+    run.write(row)
     print(json.dumps(row), flush=True)
     return row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    out = pathlib.Path(args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step")
-    command = "python benchmarks/vision_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    commit, rows = args.commit or git_commit(), []
+    out = args.out or f"benchmarks/results/{datetime.date.today().isoformat()}_vision_step"
+    tag = "vision_step_profile" if args.profile else "vision_tower" if args.tower else None
+    run, rows = harness.RunFolder("vision_step", out, tag, argv), []
+    if args.commit:
+        run.environment["commit"] = args.commit
     if args.profile:
-        profile(args, out, command, commit)
+        profile(args, run)
         return rows
     if args.tower:
-        return [tower(args, out, command, commit)]
+        return [tower(args, run)]
     for checkpointing in {"on": [True], "off": [False], "both": [True, False]}[args.checkpointing]:
-        rows.append(measure(args, checkpointing, commit))
-        write(rows, out, command)
+        rows.append(measure(args, checkpointing, run.environment))
+        run.write(rows, table(rows))
         print(json.dumps(rows[-1]))
-    sync()
+    harness.sync()
     return rows
 
 

@@ -1,7 +1,9 @@
-"""`python -m benchmarks`: one entry point that lists every measurement and runs the one named."""
+"""`python -m benchmarks`: one entry point that lists every measurement and runs the one named; the harness they
+share (benchmarks/harness.py) and each measurement's writer, on fake rows."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -19,7 +21,7 @@ def test_help_lists_every_measurement_and_the_readme_names_each():
     assert listed.returncode == 0
     names = [line.split()[0] for line in listed.stdout.splitlines()[2:] if line.strip()]
     scripts = {p.stem for pattern in ("*.py", "*.sh") for p in (ROOT / "benchmarks").glob(pattern)}
-    assert set(names) == scripts - {"__main__", "harness", "timing", "criterion", "multi_gpu_worker"}
+    assert set(names) == scripts - {"__main__", "harness", "criterion", "multi_gpu_worker"}
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     assert [name for name in names if f"`{name}`" not in readme] == []
 
@@ -32,3 +34,97 @@ def test_runs_the_named_measurement_with_its_arguments():
 def test_an_unknown_name_is_refused_with_the_list():
     ran = benchmarks("no_such_measurement")
     assert ran.returncode == 2 and "trainer_step" in ran.stderr
+
+
+# -- the shared harness and each measurement's writer, with fake rows (the measurements themselves need a GPU) -----
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
+
+
+def test_run_folder_writes_rows_table_and_a_manifest_section_per_stem(tmp_path):
+    rows = harness.RunFolder("speed", tmp_path, argv=["--n", "4"])
+    rows.write([{"a": 1}, {"a": 2}], ["| a |", "| --- |"])
+    report = harness.RunFolder("speed", tmp_path, tag="speed_report", argv=[])
+    report.write({"config": {}, "rows": []}, ["text"], title="A report")
+    report.attach("extra.txt", "kernels\n", "the kernels")
+    assert json.loads((tmp_path / "speed.json").read_text()) == [{"a": 1}, {"a": 2}]
+    first, _, *table = (tmp_path / "speed.md").read_text().splitlines()
+    assert first.startswith("`python -m benchmarks speed --n 4`; ") and table == ["| a |", "| --- |"]
+    assert (tmp_path / "speed_report.md").read_text().startswith("# A report\n\n`python -m benchmarks speed`; ")
+    manifest = (tmp_path / "MANIFEST.md").read_text()
+    assert manifest.startswith(harness.GENERATED) and manifest.count("\n## ") == 2
+    assert "`speed.json` (2 rows), `speed.md` (the table)" in manifest
+    assert "`speed_report.json` (the report), `speed_report.md` (the table), `extra.txt` (the kernels)" in manifest
+    (tmp_path / "MANIFEST.md").write_text("# written by hand\n")
+    rows.write([], None)  # no table: no markdown; a hand-written manifest is left alone
+    assert (tmp_path / "MANIFEST.md").read_text() == "# written by hand\n"
+
+
+def test_timing_on_the_cpu():
+    calls = []
+    median, peak, retries = harness.timed(lambda: calls.append("timed"), 3, lambda: calls.append("warm"))
+    assert calls == ["warm"] + ["timed"] * 3 and median >= 0 and peak is None and retries == 0
+    assert harness.median_seconds(lambda: calls.append("x"), repeats=2, warmup=2) >= 0 and calls.count("x") == 4
+    env = harness.environment(gpu="test")
+    assert env["gpu"] == "test" and {"commit", "date", "python", "torch", "transformers"} <= set(env)
+
+
+def test_prefix_grouper_step_replaces_a_row_of_the_same_setting(tmp_path):
+    import prefix_grouper_step as pg
+
+    row = {"model": "m", "P": 8, "S": [4, 4], "N": 2, "wave": 1, "checkpointing": "on", "flop_ratio": 1.5,
+           **{f"{side}_s": 1.0 for side in pg.SIDES}, **{f"{side}_peak_gib": None for side in pg.SIDES},
+           **{f"{side}_{k}": 1.0 for side in pg.SIDES[1:] for k in ("speedup", "share_of_flop_ratio")}}
+    (tmp_path / "prefix_grouper_step.json").write_text(json.dumps([{**row, "P": 4, "device": "CPU"}, row]))
+    pg.write([{**row, "gpu": "cpu"}], harness.RunFolder("prefix_grouper_step", tmp_path, argv=[]))
+    assert [r["P"] for r in json.loads((tmp_path / "prefix_grouper_step.json").read_text())] == [4, 8]
+    table = (tmp_path / "prefix_grouper_step.md").read_text()
+    assert "| m | 4 / 4 | 2 | on |" in table and table.rstrip().endswith("| cpu |") and "| CPU |" in table
+
+
+def test_writers_of_the_gpu_measurements(tmp_path):
+    import argparse
+
+    import attention_kernels
+    import gpu_equivalence
+    import gpu_pipeline
+    import memory
+    import memory_trace
+    import speed
+
+    speed_row = {"P": 8, "S": 4, "N": 2, "wave": 1, "baseline_s": 2.0, "prefixflow_s": 1.0, "speedup": 2.0,
+                 "flop_bound": 2.5, "share_of_bound": 0.8, "baseline_peak_gib": 3.0, "prefixflow_peak_gib": 2.0,
+                 "baseline_alloc_retries": 0, "prefixflow_alloc_retries": 1}
+    assert speed.table([speed_row])[-1] == ("| 8 / 4 | 2 | 1 | 2.000 | 1.000 | 2.00x | 2.50x | 80.0% | 3.0 / 2.0 "
+                                            "| 0 / 1 |")
+    meta = {"P": 8, "S": 4, "heads": 2, "kv_heads": 1, "dim": 4}
+    assert attention_kernels.table(meta, [{"case": "a", "ms": 1.5, "tflops": 9.0}])[-1] == "| a | 1.5 | 9.0 |"
+
+    args = argparse.Namespace(prefix=8, head_dim=4, suffix=4, n=2, wave=1, steps=2, lr=0.1, tag="eq")
+    failed = {"path": "p", "layout": "padded", "variant": "correct", "passed": False, "error": "E: x",
+              "verdict": "ERROR"}
+    run = harness.RunFolder("gpu_equivalence", tmp_path / "eq", "eq", [])
+    assert not gpu_equivalence.write(run, args, [failed], [])  # a correct row that erred: not as required
+    assert (tmp_path / "eq" / "eq.md").read_text().startswith("# bf16 equivalence on ")
+
+    timing = {"baseline": {"times_s": [2.0], "median_s": 2.0, "peak_gib_max_stage": 1.0},
+              "prefixflow_wave1": {"times_s": [1.0], "median_s": 1.0, "peak_gib_max_stage": 1.0}}
+    pipeline_meta = {"stages": 2, "gpu": "cpu", "precision": "fp32", "lr": 0.3, "speed_setting": "tiny",
+                     "flop_bound": 2.0}
+    run = harness.RunFolder("gpu_pipeline", tmp_path / "pp", argv=[], command="torchrun benchmarks/gpu_pipeline.py")
+    gpu_pipeline.report(run, pipeline_meta, [], timing)
+    assert set(json.loads((tmp_path / "pp" / "gpu_pipeline.json").read_text())) >= {"stages", "equivalence", "speed"}
+    assert "prefixflow_wave1 2.00x" in (tmp_path / "pp" / "gpu_pipeline.md").read_text()
+
+    config = {"command": "python benchmarks/memory.py; replanned: x", "gpu": "g", "torch": "t", "transformers": "tf",
+              "date": "d", "commit": "c", "rows": 1, "dtype": "bfloat16", "timed_split": "8/4"}
+    memory.write({"config": config, "rows": [], "frontier": []}, harness.RunFolder("memory", tmp_path / "m", "mem", []))
+    text = (tmp_path / "m" / "mem.md").read_text()
+    assert "Measured by `python benchmarks/memory.py` on g" in text and "verdicts" in json.loads(
+        (tmp_path / "m" / "mem.json").read_text())
+
+    trace = memory_trace.report("P=8", 1.0, 2**29, {"a.py:1:f": 2**29})
+    memory_trace.write([trace], argparse.Namespace(sp=False, out=tmp_path / "t"))
+    assert json.loads((tmp_path / "t" / "memory_trace.json").read_text())[0]["top"] == [{"where": "a.py:1:f",
+                                                                                         "gib": 0.5}]
