@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
 import time
 
@@ -31,6 +29,7 @@ from hf_prefixflow import _compat
 from hf_prefixflow.core import kv_cache
 
 import criterion
+import harness
 
 SHAPES = {
     # Qwen3.5's pattern: three gated delta-net layers, then one attention layer.
@@ -301,23 +300,20 @@ def main() -> None:
     parser.add_argument("--check-tolerance", type=float, default=1e-2)
     parser.add_argument("--criterion-only", action="store_true")
     parser.add_argument("--speed-only", action="store_true")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<run>")
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "transformers": transformers.__version__}
+    stem = ("kernel_check_gated_delta_rule" if args.kernel_check
+            else f"hybrid_group_{args.shape}" + (f"_{args.layers}layers" if args.layers else ""))
+    run = harness.RunFolder("hybrid_group", args.out, tag=stem)
+    result = dict(run.environment)
     if args.kernel_check:
         result["kernel_check"] = kernel_check(args)
-        with open(os.path.join(args.out, "kernel_check_gated_delta_rule.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        return
-    if not args.speed_only:
-        result["criterion"] = criterion_rows(args)
-    if not args.criterion_only:
-        result["speed"] = speed(args)
-    suffix = f"_{args.layers}layers" if args.layers else ""
-    with open(os.path.join(args.out, f"hybrid_group_{args.shape}{suffix}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-
+    else:
+        if not args.speed_only:
+            result["criterion"] = criterion_rows(args)
+        if not args.criterion_only:
+            result["speed"] = speed(args)
+    run.write(result)
 
 if __name__ == "__main__":
     main()
