@@ -8,6 +8,7 @@ what differs, each through its rule in `hf_prefixflow/distributed/`.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 
 import torch
@@ -83,7 +84,7 @@ class DataParallel(EngineRule):
         data_parallel.all_reduce_gradients(model)
 
 
-class _BoundaryRule(EngineRule):
+class _BoundaryRule(EngineRule, abc.ABC):
     """Engines that shard the weights and reduce in the backward of the accumulation boundary: the boundary's Phase C
     is that backward, so one group at least must reach it. What is built and tested for whole weights and groups
     closed per microbatch stays off (run merging, K/V streaming, the default memory rule, image sharing, compiled
@@ -109,9 +110,9 @@ class _BoundaryRule(EngineRule):
                 f"token); use {stock} otherwise."
             )
 
+    @abc.abstractmethod
     def _reducing_phase_c(self, model: torch.nn.Module, session: GroupSession) -> int:
         """The boundary's Phase C as the engine's reducing backward; returns the tensors that backward fed."""
-        raise NotImplementedError
 
 
 class ZeRO(_BoundaryRule):
