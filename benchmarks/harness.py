@@ -10,6 +10,10 @@ the repository may carry a stale git HEAD, so `PREFIXFLOW_COMMIT` in the environ
 
 Timing: `seconds(fn)` times one call (CUDA events on a GPU, wall time on the CPU), `median_seconds` warms up and
 takes the median of timed calls, `timed` adds the peak allocated memory and the allocator's retries.
+
+Triton: `one_triton_config()` narrows every autotuned kernel defined afterwards to one configuration, for fused
+packages (flash-linear-attention) whose dozen configurations per kernel take longer to compile than a device call
+allows; both sides of a comparison then run the same kernels.
 """
 
 from __future__ import annotations
@@ -126,6 +130,27 @@ def timed(fn: Callable[[], object], repeats: int, warm_up: Callable[[], object])
 
 
 # -- options and the run folder ----------------------------------------------------------------------------------
+
+def pick_config(configs: list) -> object:
+    """The configuration `one_triton_config` keeps: four warps and the fewest pipeline stages where listed, else the
+    first (Triton's own default launch is four warps)."""
+    four = [c for c in configs if getattr(c, "num_warps", None) == 4]
+    return min(four, key=lambda c: getattr(c, "num_stages", 0)) if four else configs[0]
+
+
+def one_triton_config() -> str:
+    """Every Triton autotuner built from now on keeps one configuration (`pick_config`): no autotuning. Call it
+    before the fused package is imported (its kernels are decorated at import). Returns what a row should record."""
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner.__init__
+
+    def narrowed(self, fn, arg_names, configs, *args, **kwargs):
+        original(self, fn, arg_names, [pick_config(list(configs))] if configs else configs, *args, **kwargs)
+
+    Autotuner.__init__ = narrowed
+    return "one configuration per Triton kernel (harness.pick_config), no autotuning"
+
 
 def options(text: str) -> dict:
     """`KEY=VALUE,...` with VALUE as a Python literal where it parses as one (true/false as booleans)."""

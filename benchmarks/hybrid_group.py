@@ -300,12 +300,15 @@ def main() -> None:
     parser.add_argument("--check-tolerance", type=float, default=1e-2)
     parser.add_argument("--criterion-only", action="store_true")
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--one-config", action="store_true",
+                        help="narrow Triton autotuning to one configuration per kernel (harness.one_triton_config)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<run>")
     args = parser.parse_args()
+    autotuning = harness.one_triton_config() if args.one_config else "Triton's own"
     stem = ("kernel_check_gated_delta_rule" if args.kernel_check
             else f"hybrid_group_{args.shape}" + (f"_{args.layers}layers" if args.layers else ""))
     run = harness.RunFolder("hybrid_group", args.out, tag=stem)
-    result = dict(run.environment)
+    result = dict(run.environment, autotuning=autotuning)
     if args.kernel_check:
         result["kernel_check"] = kernel_check(args)
     else:

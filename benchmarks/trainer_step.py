@@ -508,9 +508,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--deadline-s", type=float, default=None, help="start no grid point after this many seconds")
     parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
+    parser.add_argument("--one-config", action="store_true",
+                        help="narrow Triton autotuning to one configuration per kernel (harness.one_triton_config)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<tag>")
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
+    autotuning = harness.one_triton_config() if args.one_config else None
     grid = MEMORY_GRID if args.memory_grid else PLAIN_GRID
     for key, value in grid.items():
         if getattr(args, key) is None:
@@ -521,6 +524,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= args.n) or "2"
     args.trainers = args.trainers.split(",")
     run = harness.RunFolder("trainer_step", args.out, args.tag, argv)
+    if autotuning:
+        run.environment["autotuning"] = autotuning
     out = run.path
     if args.splits:  # (P / (P + S), S) per split
         splits = [(p / (p + s), s) for p, s in (map(int, split.split("/")) for split in args.splits.split(","))]

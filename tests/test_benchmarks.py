@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -128,3 +129,11 @@ def test_writers_of_the_gpu_measurements(tmp_path):
     memory_trace.write([trace], argparse.Namespace(sp=False, out=tmp_path / "t"))
     assert json.loads((tmp_path / "t" / "memory_trace.json").read_text())[0]["top"] == [{"where": "a.py:1:f",
                                                                                          "gib": 0.5}]
+
+
+def test_one_triton_config_keeps_four_warps_and_fewest_stages():
+    """`harness.pick_config`, what `--one-config` keeps of each autotuned kernel's list."""
+    config = lambda warps, stages, **kw: SimpleNamespace(num_warps=warps, num_stages=stages, kwargs=kw)
+    listed = [config(2, 2, BV=32), config(4, 3, BV=32), config(4, 2, BV=64), config(8, 1)]
+    assert harness.pick_config(listed) is listed[2]
+    assert harness.pick_config(listed[:1] + listed[3:]) is listed[0]  # no four-warp entry: the first
