@@ -4,7 +4,7 @@
 
 ENGINE: ddp, zero1, zero2, zero3 (DeepSpeed ZeRO at that stage), fsdp2 (FSDP2 through Accelerate) or ddp_split
 (DDP with one microbatch per step and two rows per process, so every group of four straddles the two processes); or
-the deliberately broken zero2_ddp_rule (ZeRO-2, PrefixFlow given the DDP rule instead of ZeRO's).
+the deliberately broken zero3_ddp_rule (ZeRO-3, PrefixFlow given the DDP rule instead of ZeRO's).
 """
 
 import os
