@@ -234,7 +234,8 @@ def kernel_check(args) -> list[dict]:
             "implementation"].cell_contents is reference:
         raise SystemExit("kernel check: no fused gated delta rule is installed (flash-linear-attention)")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    batch, tokens, k_heads, v_heads, dim = 2, args.check_tokens, 4, 8, 128
+    # As Qwen3.5's layer calls it: query and key already repeated to the value heads (the PyTorch path needs that).
+    batch, tokens, k_heads, v_heads, dim = 2, args.check_tokens, 8, 8, 128
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=gen)

@@ -29,7 +29,8 @@ the same loss (mean cross-entropy over each completion's tokens, summed over com
 checkpointing (`--checkpointing`, non-reentrant, on by default as in TRL):
   full: each `[P || S_i]` as its own sequence, one per microbatch (`speed.baseline_group`);
   prefix_grouper: the packed sequence through the attention function here, one forward and one backward;
-  prefixflow: `hf_prefixflow.prefix_group`, waves of `--wave` completions (`speed.prefixflow_group`).
+  prefixflow: `hf_prefixflow.prefix_group`, waves of `--wave` completions (default all N, as Prefix Grouper's
+    one pass; `speed.prefixflow_group`).
 Each side: one warm-up group, then the median of `--repeats` timed groups, the peak allocated GiB, the speedup over
 `full` and its share of the FLOP ratio `ModelShape.bound(P, [S] * N)`. Under `--tiny` (a tiny Qwen3 on the CPU, a
 short prompt and three completions of uneven lengths) the script first compares every parameter's gradient of the
@@ -284,7 +285,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefix", type=int, default=10240)
     parser.add_argument("--suffix", type=int, default=2048)
     parser.add_argument("-n", type=int, default=16)
-    parser.add_argument("--wave", type=int, default=1, help="completions per PrefixFlow wave")
+    parser.add_argument("--wave", type=int, default=None,
+                        help="completions per PrefixFlow wave (default N: one pass over every completion, the rows "
+                             "Prefix Grouper's packed pass holds)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on",
                         help="non-reentrant activation checkpointing of every decoder layer, on all three sides")
@@ -297,6 +300,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    args.wave = args.wave or args.n
     checkpointing = args.checkpointing == "on"
     if args.tiny:
         args.wave = 1  # uneven completions: one per wave
