@@ -2,6 +2,8 @@
 
     python benchmarks/hybrid_group.py --shape qwen3_5 --prefix 10240 --suffix 2048 -n 16 --out DIR
     python benchmarks/hybrid_group.py --shape nemotron_h --criterion-only --out DIR
+    python benchmarks/hybrid_group.py --small --device cpu --criterion-only --seeds 6 --crit-prefix 512 \
+        --crit-suffix 128 --wave 2 --out DIR      # the criterion's scatter on an exact path, CPU
 
 Random-weight models of a real family's layer pattern, bf16, one device, the same kernels on both sides (a fused
 package where installed, e.g. flash-linear-attention, else transformers' PyTorch path; each row names which ran).
@@ -11,7 +13,9 @@ weights for every token and the quadratic attention term on attention layers onl
 linear in the tokens, is left out, so the ratio is not a bound where the scans cost much (transformers' PyTorch
 path): the token ratio then bounds it from above. The criterion (`benchmarks/criterion.py`): per parameter,
 PrefixFlow's gradient error against an fp32 full-sequence reference over the bf16 baseline's own, at most 1.2; a
-broken variant (the recurrent states' gradients dropped before Phase C) must fail it."""
+broken variant (the recurrent states' gradients dropped before Phase C) must fail it. `--small --device cpu` runs the
+criterion on the CPU's PyTorch kernels (exact in float64, `tests/test_states.py`) over several data seeds: how far the
+ratio of a correct run scatters per parameter."""
 
 from __future__ import annotations
 
@@ -46,10 +50,24 @@ SHAPES = {
 }
 
 
-def build(shape: str, dtype: torch.dtype, device: str, layers: int | None = None) -> torch.nn.Module:
-    """A random-weight model of `shape`'s layer pattern; `layers` keeps only its first layers (a quick warm-up)."""
+# The same layer patterns at a width the CPU trains in seconds (`--small`): the criterion's scatter on the CPU.
+SMALL = {
+    "qwen3_5": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+                    linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=1024),
+    "nemotron_h": dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=32, mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
+                       chunk_size=32, vocab_size=1024,
+                       layers_block_type=["mamba", "mlp", "mamba", "mlp", "attention", "mlp"] * 2),
+}
+
+
+def build(shape: str, dtype: torch.dtype, device: str, layers: int | None = None,
+          small: bool = False) -> torch.nn.Module:
+    """A random-weight model of `shape`'s layer pattern; `layers` keeps only its first layers (a quick warm-up),
+    `small` the pattern at `SMALL`'s width."""
     model_type, class_name, options = SHAPES[shape]
-    options = dict(options)
+    options = dict(options, **(SMALL[shape] if small else {}))
     if "layer_types" in options and options["layer_types"] is not None and model_type == "qwen3_5_text":
         options["layer_types"] = options["layer_types"] * (options["num_hidden_layers"] // 4)
     if model_type == "nemotron_h":
@@ -138,8 +156,8 @@ def timed(fn, repeats: int) -> tuple[list[float], float]:
     return times, torch.cuda.max_memory_allocated() / 2**30
 
 
-def data(vocab: int, prefix: int, suffix: int, n: int, device: str):
-    gen = torch.Generator().manual_seed(1)
+def data(vocab: int, prefix: int, suffix: int, n: int, device: str, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
     p = torch.randint(0, vocab, (prefix,), generator=gen).to(device)
     s = [torch.randint(0, vocab, (suffix,), generator=gen).to(device) for _ in range(n)]
     w = [torch.randn(suffix, generator=gen).to(device) / (n * suffix) for _ in range(n)]
@@ -195,25 +213,27 @@ def _grads(model) -> dict:
 
 def criterion_rows(args) -> list[dict]:
     """bf16 gradients of both paths against an fp32 full-sequence reference; the broken variant must fail."""
-    reference_model = build(args.shape, torch.float32, "cuda")
+    device, seed = args.device, args.seed
+    reference_model = build(args.shape, torch.float32, device, small=args.small)
     prefix, suffixes, weights = data(reference_model.config.vocab_size, args.crit_prefix, args.crit_suffix,
-                                     args.crit_n, "cuda")
+                                     args.crit_n, device, seed)
     with _compat.reference_kernels(type(reference_model)):  # the math itself, not the fused kernels under test
         full_sequences(reference_model, prefix, suffixes, weights, autocast=False)
     reference = _grads(reference_model)
     del reference_model
-    baseline_model = build(args.shape, torch.bfloat16, "cuda")
+    baseline_model = build(args.shape, torch.bfloat16, device, small=args.small)
     full_sequences(baseline_model, prefix, suffixes, weights, autocast=False)
     baseline = _grads(baseline_model)
     del baseline_model
     rows = []
     for variant in ("correct", "state-gradients-dropped"):
-        model = hf_prefixflow.apply_prefixflow(build(args.shape, torch.bfloat16, "cuda"))
+        model = hf_prefixflow.apply_prefixflow(build(args.shape, torch.bfloat16, device, small=args.small))
         with _variant(variant):
             prefixflow(model, prefix, suffixes, weights, args.wave)
         judged = criterion.judge(_grads(model), baseline, reference)
         broken = variant != "correct"
-        rows.append(dict(shape=args.shape, variant=variant, kernels=kernels(model), prefix=args.crit_prefix,
+        rows.append(dict(shape=args.shape, small=args.small, seed=seed, device=device, variant=variant,
+                         kernels=kernels(model), prefix=args.crit_prefix,
                          suffix=args.crit_suffix, n=args.crit_n, worst_ratio=judged["worst_ratio"],
                          worst_parameter=judged["worst_param"], median_ratio=judged["median_ratio"],
                          passed=judged["passed"], ratios=judged["ratios"],
@@ -300,6 +320,9 @@ def main() -> None:
     parser.add_argument("--check-tokens", type=int, default=333)
     parser.add_argument("--check-tolerance", type=float, default=1e-2)
     parser.add_argument("--criterion-only", action="store_true")
+    parser.add_argument("--seeds", type=int, default=1, help="criterion rows for data seeds 1..SEEDS")
+    parser.add_argument("--small", action="store_true", help="the criterion on the shape at SMALL's width")
+    parser.add_argument("--device", default="cuda", help="the criterion's device (cpu with --small)")
     parser.add_argument("--speed-only", action="store_true")
     parser.add_argument("--one-config", action="store_true",
                         help="narrow Triton autotuning to one configuration per kernel (harness.one_triton_config)")
@@ -307,14 +330,17 @@ def main() -> None:
     args = parser.parse_args()
     autotuning = harness.one_triton_config() if args.one_config else "Triton's own"
     stem = ("kernel_check_gated_delta_rule" if args.kernel_check
-            else f"hybrid_group_{args.shape}" + (f"_{args.layers}layers" if args.layers else ""))
+            else f"hybrid_group_{args.shape}" + (f"_{args.layers}layers" if args.layers else "")
+            + ("_small" if args.small else ""))
     run = harness.RunFolder("hybrid_group", args.out, tag=stem)
     result = dict(run.environment, autotuning=autotuning)
     if args.kernel_check:
         result["kernel_check"] = kernel_check(args)
     else:
         if not args.speed_only:
-            result["criterion"] = criterion_rows(args)
+            result["criterion"] = []
+            for args.seed in range(1, args.seeds + 1):
+                result["criterion"] += criterion_rows(args)
         if not args.criterion_only:
             result["speed"] = speed(args)
     run.write(result)
