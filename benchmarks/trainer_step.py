@@ -22,6 +22,9 @@ speedup if the step's non-generation part took its FLOP-ideal time (stock genera
 one (`harness.RunFolder`). `--profile` runs the grid's first point once per trainer under the torch profiler
 instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
 time the GPU was busy within it (the union of kernels, copies and memsets); a low share is host-bound time.
+`--memory-trace` runs the grid's first point once per trainer with the CUDA allocator's history recorded over the
+step after the warm-up and writes `trainer_step_memory.json` and `.md`: each trainer's largest live set in that step
+and the ten allocating frames that hold most of it (`memory_trace.peak_set`), beside the whole run's peak.
 `--prefixflow-config KEY=VALUE,...` sets `PrefixFlowGRPOConfig` fields for the PrefixFlow trainer only, e.g.
 `prefixflow_merge_microbatches=1` (a suffix wave per TRL microbatch) or `prefixflow_suffix_checkpointing=false`;
 `--config` sets `GRPOConfig` fields for both (`torch_compile=true`: the like-for-like compiled comparison). Each row
@@ -72,6 +75,7 @@ from hf_prefixflow.planning.flops import ModelShape
 from hf_prefixflow.core.scheduler import PrefixGroup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import harness  # noqa: E402 - benchmarks/harness.py: the run folder, environment and peak memory
+import memory_trace  # noqa: E402 - the allocator history's largest live set
 import synthetic  # noqa: E402 - the examples' synthetic task and step timing
 from step_timing import StepTimer, sync, timed_generation  # noqa: E402
 
@@ -327,6 +331,56 @@ def settings(row: dict) -> str:
     return ", ".join(both + own) or "defaults"
 
 
+# -- --memory-trace: where one step's peak memory goes --------------------------------------------------------------
+
+
+class TracedStep(TrainerCallback):
+    """Records the CUDA allocator's history over the step after `skip` steps; `split` then holds its largest live set
+    by allocating frame (`memory_trace.peak_set`). `memory` is `torch.cuda.memory` (a stand-in in tests)."""
+
+    def __init__(self, skip: int, memory=None):
+        self.skip, self.memory, self.start = skip, memory or torch.cuda.memory, None
+        self.peak_bytes, self.split = 0, {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.skip:
+            sync()
+            self.memory._record_memory_history(max_entries=4_000_000)
+            self.start = len(self.memory._snapshot()["device_traces"][0])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None:
+            sync()
+            trace = self.memory._snapshot()["device_traces"][0]
+            self.memory._record_memory_history(enabled=None)
+            self.peak_bytes, self.split = memory_trace.peak_set(trace, start=self.start)
+            self.start = None
+
+
+def memory_traced(name: str, point: Point, args) -> dict:
+    """One trainer's traced step (after `args.warmup` steps): `memory_trace.report`'s row and the run's peak."""
+    trainer = make_trainer(name, point, args, args.warmup + 1)
+    step = TracedStep(args.warmup)
+    trainer.add_callback(step)
+    harness.reset_peak()
+    trainer.train()
+    row = memory_trace.report(f"{name}: {point.model}, batch {point.batch}, traced step {args.warmup + 1}",
+                              harness.peak_gib(), step.peak_bytes, step.split)
+    release(trainer)
+    return row
+
+
+def trace_memory(point: Point, args, run: harness.RunFolder) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("--memory-trace records the CUDA allocator's history: it needs a GPU")
+    rows = [{**memory_traced(name, point, args), **run.environment} for name in args.trainers]
+    lines = ["| trainer | whole run's peak GiB | traced step's live peak GiB | largest frames (GiB) |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {r['title']} | {r['max_allocated_gib']} | {r['traced_peak_gib']} | "
+              + "; ".join(f"{t['gib']} `{t['where']}`" for t in r["top"][:5]) + " |" for r in rows]
+    run.write(rows, lines)
+
+
 # -- --profile: where one step's time goes -----------------------------------------------------------------------
 
 PHASES = {"_generate_single_turn": "generation", "_generate_and_score_completions": "generate_and_score",
@@ -507,6 +561,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="KEY=VALUE,... GRPOConfig fields for both trainers, e.g. torch_compile=true")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no grid point after this many seconds")
     parser.add_argument("--profile", action="store_true", help="profile the first grid point instead of timing")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="trace the first grid point's peak memory per trainer instead of timing (GPU)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short prompts")
     parser.add_argument("--one-config", action="store_true",
                         help="narrow Triton autotuning to one configuration per kernel (harness.one_triton_config)")
@@ -538,6 +594,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.generation.split(","))]
     if args.profile:
         profile(points[0], args, out, run.environment)
+        return []
+    if args.memory_trace:
+        trace_memory(points[0], args, harness.RunFolder("trainer_step_memory", args.out, args.tag, argv))
         return []
     start, rows = time.perf_counter(), []
     for point in points:

@@ -137,3 +137,24 @@ def test_one_triton_config_keeps_four_warps_and_fewest_stages():
     listed = [config(2, 2, BV=32), config(4, 3, BV=32), config(4, 2, BV=64), config(8, 1)]
     assert harness.pick_config(listed) is listed[2]
     assert harness.pick_config(listed[:1] + listed[3:]) is listed[0]  # no four-warp entry: the first
+
+
+def test_traced_step_finds_the_steps_largest_live_set():
+    """`trainer_step --memory-trace`'s callback on a stand-in allocator history: the peak of the traced step counts
+    what was allocated before it, split by allocating frame."""
+    import trainer_step
+
+    frame = lambda name: [{"filename": f"/x/{name}.py", "line": 1, "name": name}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": frame("weights")}]
+    memory = SimpleNamespace(_record_memory_history=lambda **kw: None,
+                             _snapshot=lambda: {"device_traces": [list(events)]})
+    step = trainer_step.TracedStep(skip=1, memory=memory)
+    step.on_step_begin(None, SimpleNamespace(global_step=1), None)
+    events += [{"action": "alloc", "addr": 2, "size": 50, "frames": frame("wave")},
+               {"action": "free_requested", "addr": 2, "size": 50},
+               {"action": "alloc", "addr": 3, "size": 80, "frames": frame("phase_c")},
+               {"action": "alloc", "addr": 4, "size": 10, "frames": frame("phase_c")},
+               {"action": "free_requested", "addr": 3, "size": 80}]
+    step.on_step_end(None, SimpleNamespace(global_step=2), None)
+    assert step.peak_bytes == 190 and step.start is None
+    assert step.split == {"weights.py:1:weights": 100, "phase_c.py:1:phase_c": 90}
