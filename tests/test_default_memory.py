@@ -137,6 +137,7 @@ def test_the_default_equals_the_stock_trainer_and_logs_its_choice(tmp_path, capl
     assert len(held) == 1 and f"'{only or 'offload'}'" in held[0]
     assert sum(m.startswith("PrefixFlow: runs merge at most 1 microbatches (of ") for m in messages) == 1
     assert run_lengths(pf[2]) == {1.0}
+    assert pf_mixin.UNCALIBRATED_STATES not in messages  # a dense model: the byte model is calibrated
 
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from trl import GRPOTrainer
 import grpo_setup as setup
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer
 from hf_prefixflow.models.tiny import float64_throughout, tiny_config
+from hf_prefixflow.trainers import mixin as pf_mixin
 from test_trainer import assert_aligned, same_microbatches, train  # noqa: F401 - the fixture applies here too
 
 HYBRIDS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "nemotron_h": ("nemotron_h", "NemotronHForCausalLM")}
@@ -36,12 +38,15 @@ def float64_inside():
 
 
 @pytest.mark.parametrize("name, loss_type", [("qwen3_5", "dapo"), ("nemotron_h", "grpo")])
-def test_hybrid_swap_equals_grpo_trainer(tmp_path, name, loss_type):
+def test_hybrid_swap_equals_grpo_trainer(tmp_path, caplog, name, loss_type):
     base = make_hybrid(name)
     options = dict(loss_type=loss_type, steps=2, gradient_checkpointing=False)
     stock = train(GRPOTrainer, copy.deepcopy(base), tmp_path, **options)
-    pf = train(PrefixFlowGRPOTrainer, copy.deepcopy(base), tmp_path, **options)
+    with caplog.at_level(logging.WARNING, logger=pf_mixin.logger.name):
+        pf = train(PrefixFlowGRPOTrainer, copy.deepcopy(base), tmp_path, **options)
     assert_aligned(stock, pf, rtol=1e-5)
+    # the default memory rule ran and said, once, that its byte model is not calibrated on recurrent layers
+    assert [r.getMessage() for r in caplog.records].count(pf_mixin.UNCALIBRATED_STATES) == 1
 
 
 def test_hybrid_swap_under_checkpointing(tmp_path):

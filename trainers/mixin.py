@@ -61,6 +61,14 @@ from .window import OpenWindow
 
 logger = logging.getLogger(__name__)
 
+# The default memory rule's byte model counts recurrent layers as attention layers of the same width; measured on a
+# Qwen3.5 shape (benchmarks/results/2026-12-05_qwen3_5_fla) it kept the prompt on the device and peaked above the stock.
+UNCALIBRATED_STATES = (
+    "PrefixFlow: the default memory rule's byte model is not calibrated on recurrent layers; on a Qwen3.5 shape its "
+    "choice peaked 2-3% above the stock trainer's device memory."
+    " Leave that margin where the stock trainer fits only just.")
+
+
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
@@ -736,6 +744,9 @@ class PrefixFlowTrainerMixin:
                        "stock trainer's microbatch %.2f GiB (static state aside)%s.", setting.name, setting.code,
                        choice.need / 2**30, budget / 2**30, "" if choice.fits else "; no setting fits, least taken")
             self._stock_mode_logged = setting.name
+        if not getattr(self, "_stock_states_warned", False) and has_states(unwrap(model)):
+            logger.warning(UNCALIBRATED_STATES)
+            self._stock_states_warned = True
 
     def _checkpointing_policy(self) -> str:
         return "full" if self.args.gradient_checkpointing else "none"
