@@ -169,3 +169,18 @@ def test_the_planner_s_stock_peak_against_the_measured():
             assert abs(error) <= 0.04, r
         else:
             assert -0.16 <= error <= -0.12, r
+
+
+def test_the_planner_s_stock_peak_on_a_hybrid_is_low():
+    """On the Qwen3.5 shape (H100, `2026-12-05_qwen3_5_fla`) the byte model, which counts gated delta-net layers as
+    attention layers, puts the stock peak 2-5% below the measured one, where on dense shapes it is within 4% or above
+    (the test before): the rule's budget is then too large, one reason the default peaked above GRPOTrainer's there
+    (the trainer warns, `mixin.UNCALIBRATED_STATES`)."""
+    steps = json.loads((RESULTS / "2026-12-05_qwen3_5_fla" / "trainer_step_call1.json").read_text())
+    assert {r["batch"] for r in steps} == {4, 16}
+    for r in steps:
+        estimate = planner.plan(h200_config(r["model"]), r["P"], r["S"], r["N"], float("inf"), "full",
+                                rows_per_microbatch=r["batch"], dtype=torch.bfloat16,
+                                optimizer_state_bytes=4).baseline_peak_bytes / GIB
+        assert 0.02 <= r["peak_gib_stock"] / estimate - 1 <= 0.06, (r["batch"], estimate)
+        assert r["peak_gib_prefixflow"] > r["peak_gib_stock"]  # what the warning reports

@@ -22,6 +22,10 @@ H200_SHAPES = {  # benchmarks/speed.py's SHAPES
                        tie_word_embeddings=True),
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "qwen3.5-2b": dict(model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                       vocab_size=151936, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
 }
 
 
