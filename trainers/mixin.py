@@ -744,9 +744,9 @@ class PrefixFlowTrainerMixin:
                        "stock trainer's microbatch %.2f GiB (static state aside)%s.", setting.name, setting.code,
                        choice.need / 2**30, budget / 2**30, "" if choice.fits else "; no setting fits, least taken")
             self._stock_mode_logged = setting.name
-        if not getattr(self, "_stock_states_warned", False) and has_states(unwrap(model)):
+        if getattr(self, "_warn_uncalibrated", None) is None and has_states(unwrap(model)):  # one model walk
             logger.warning(UNCALIBRATED_STATES)
-            self._stock_states_warned = True
+        self._warn_uncalibrated = False
 
     def _checkpointing_policy(self) -> str:
         return "full" if self.args.gradient_checkpointing else "none"
