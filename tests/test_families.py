@@ -41,7 +41,7 @@ CASES = [
     ("falcon_h1", {}, families.EXACT, []),
     ("qwen3_next", {}, families.EXACT, []),
     ("jamba", {}, families.REFUSED, ["JambaMambaMixer", "zero state"]),  # Mamba1: its scan never continues
-    ("minimax", {}, families.REFUSED, ["MiniMaxForCausalLM", "cache API"]),
+    ("minimax", {}, families.EXACT, []),  # lightning attention: its K^T V state through get_linear_cache
     ("falcon", {}, families.REFUSED, ["FalconForCausalLM", "AttentionInterface"]),
     ("xglm", {}, families.REFUSED, ["XGLMForCausalLM", "AttentionInterface"]),  # its float64 mask fill builds
     ("dory", {}, families.REFUSED, ["ran more than once in one forward"]),  # looped layers

@@ -37,6 +37,7 @@ HYBRIDS = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3},
     "zamba2": {},  # Mamba2 with a shared attention block
     "mamba2": {},  # Mamba2 alone; its causal LM calls the backbone without the model's kwargs (the decoder bridge)
+    "minimax": {},  # lightning attention: a decayed K^T V state (MiniMaxCache's get_linear_cache), MoE
 }
 # Accepted families checked once more, for loss and gradients only (the sweep in benchmarks/families.py runs all).
 MORE_HYBRIDS = {
@@ -91,7 +92,7 @@ def test_hybrid_families_train_exactly(model_type):
     train_side_by_side(model, groups, plans)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", "mamba2"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", "mamba2", "minimax"])
 def test_hybrid_families_train_exactly_under_checkpointing(model_type):
     """transformers' layer checkpointing drops a layer's `cache`; the state view rides the pass marker instead,
     also through the recompute in each wave's backward and in Phase C."""
@@ -190,6 +191,18 @@ def test_broken_without_the_decoder_bridge_mamba2_is_refused(monkeypatch):
         hf_prefixflow.apply_prefixflow(model)
 
 
+def test_broken_minimax_without_its_linear_cache_is_caught(monkeypatch):
+    """MiniMax's lightning attention handed no prefix state in the waves: it would run its block path from zero.
+    The probe runs first with the real view (an earlier test may have run it)."""
+    model = tiny_hybrid("minimax", HYBRIDS["minimax"])
+    candidate = hf_prefixflow.apply_prefixflow(copy.deepcopy(model))
+    monkeypatch.setattr(states.StateView, "get_linear_cache", lambda self, layer_idx: None)
+    group, plan = (x[0] for x in _groups(seed=5, count=1))
+    full_sequence_backward(model, group)
+    with pytest.raises(PrefixFlowError, match="did not receive"):
+        prefixflow_backward(candidate, group, plan)
+
+
 def test_broken_a_padded_prompt_is_not_the_prompt():
     """A right-padded prompt: the pads decay the recurrent state and fill the convolution window, so the
     completions would train against another prompt. Groups take the real tokens only (TRL left-pads prompts and
@@ -218,7 +231,6 @@ def test_packed_waves_are_refused_on_recurrent_models():
 @pytest.mark.parametrize("model_type, words", [
     ("jamba", ["JambaMambaMixer", "Mamba1", "starts from a zero state"]),
     ("falcon_mamba", ["FalconMambaMixer", "starts from a zero state"]),
-    ("minimax", ["'linear_attention'", "does not read through transformers' cache API"]),
 ])
 def test_mixers_without_a_continuable_state_are_refused(model_type, words):
     config = AutoConfig.for_model(model_type)

@@ -38,8 +38,9 @@ _MARKER_KWARGS = ("prefixflow_pass", "prefixflow_routes", "prefixflow_sp")
 _CACHE_PARAMETERS = ("cache", "cache_params")
 _HOOKED = "_prefixflow_state_mixer"
 # How a mixer reads its previous state from the cache (transformers 5.24; and before it, `update_*` with
-# `cache.layers[i].conv_states`).
-_STATE_CALLS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state")
+# `cache.layers[i].conv_states`); MiniMax's lightning attention through its own cache's `get_linear_cache`.
+_STATE_CALLS = ("get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state",
+                "get_linear_cache")
 _TRIM = "_prefixflow_trim"
 
 
@@ -79,6 +80,11 @@ class StateView:
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """The recurrent state at the end of the prefix, `[B, ...]` (None in Phase A or with no prefix)."""
         return self._previous(layer_idx, RECURRENT, state_idx)
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """MiniMax's lightning attention: its decayed `K^T V` state `[B, H, D, D]` at the end of the prefix (None in
+        Phase A, where the mixer then runs its block path from zero; a wave continues token by token from it)."""
+        return self._previous(layer_idx, RECURRENT, 0)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether a state precedes this forward: in a wave of a group with a cached prefix."""
@@ -129,6 +135,10 @@ class StateView:
         if self.capturing:
             self.cache.capture_state((layer_idx, RECURRENT, state_idx), recurrent_states)
         return recurrent_states
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """MiniMax's lightning attention after its forward: captured in Phase A, dropped in a wave."""
+        self.update_recurrent_state(linear_cache, layer_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Attention inside a hybrid layer: K/V pass through (PrefixFlow's attention function reads its own)."""
