@@ -58,7 +58,7 @@ def test_without_the_bridge_stablelm_is_wrong(monkeypatch):
 
 @pytest.mark.parametrize("model_type, options, names", [
     ("jamba", {}, ["JambaForCausalLM", "Mamba1", "zero state"]),  # hybrids whose state continues: tests/test_states.py
-    ("minimax", {}, ["MiniMaxForCausalLM", "'linear_attention'", "cache API"]),
+    ("recurrent_gemma", {}, ["RecurrentGemmaForCausalLM", "'linear_attention'", "cache API"]),
     ("falcon", {}, ["FalconForCausalLM", "AttentionInterface"]),
 ])
 def test_token_mixers_and_foreign_attention_are_refused(model_type, options, names):
