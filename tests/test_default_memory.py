@@ -183,4 +183,3 @@ def test_the_planner_s_stock_peak_on_a_hybrid_is_low():
                                 rows_per_microbatch=r["batch"], dtype=torch.bfloat16,
                                 optimizer_state_bytes=4).baseline_peak_bytes / GIB
         assert 0.02 <= r["peak_gib_stock"] / estimate - 1 <= 0.06, (r["batch"], estimate)
-        assert r["peak_gib_prefixflow"] > r["peak_gib_stock"]  # what the warning reports
