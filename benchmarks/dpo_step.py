@@ -13,7 +13,11 @@ PEFT adapter disabled under `--lora`, a second copy of the model otherwise. A st
 C and the optimizer step. Each row: the median of `--steps` steps after `--warmup`, each side's peak allocated
 memory over its run, the pairs PrefixFlow sent to the plain path, and the FLOP ratio of the policy pass
 (`planning.flops`, the two rows of a pair against the prompt once and the two responses). A side that runs out
-of device memory is listed in `out_of_memory`. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
+of device memory is listed in `out_of_memory`. Only the first run in a process gives a clean peak: on the GPU a
+run after another in the same process has read 30.6 GiB on the Llama3-8B LoRA shape whatever its own need, with
+either trainer second (about two copies of the weights; the holder is not yet traced;
+`2026-12-05_dpo_trainer_order`), so each side records what was allocated before it built its model (`*_resident_before_gib`) and `--order` picks which
+side runs first. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
 `--out` after each point (`harness.RunFolder`).
 """
 
@@ -88,6 +92,7 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
                    learning_rate=1e-6, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
     config = (config_class if name == "prefixflow" else DPOConfig)(**{**options, **args.config})
     trainer = None
+    resident = harness.allocated_gib()  # what an earlier run in this process left allocated
     try:
         model = build(args, tokenizer)
         ref_model = None if args.lora else build(args, tokenizer)  # a random model has no checkpoint to reload
@@ -106,7 +111,7 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
         return None
     logs = [log for log in trainer.state.log_history if "loss" in log]
     result = {"steps": timer.times[args.warmup:], "warmup_steps": timer.times[:args.warmup],
-              "peak_gib": harness.peak_gib(),
+              "peak_gib": harness.peak_gib(), "resident_before_gib": resident,
               "fallback_pairs": sum(getattr(trainer, "_fallbacks", {}).values()),
               "losses": [log["loss"] for log in logs], "shape": ModelShape.from_config(trainer.model.config)}
     release(trainer)
@@ -114,7 +119,7 @@ def run(name: str, prompt: int, response: int, args) -> dict | None:
 
 
 def measure(prompt: int, response: int, args, environment: dict) -> dict:
-    runs = {name: run(name, prompt, response, args) for name in TRAINERS}
+    runs = {name: run(name, prompt, response, args) for name in args.order.split(",")}
     row = {"model": "tiny" if args.tiny else args.model, "lora": args.lora, "P": prompt, "S": response,
            "pairs_per_microbatch": args.batch, "out_of_memory": [n for n, r in runs.items() if r is None]}
     for name, result in runs.items():
@@ -124,6 +129,7 @@ def measure(prompt: int, response: int, args, environment: dict) -> dict:
             row[f"{name}_warmup_steps_s"] = [round(t, 4) for t in result["warmup_steps"]]
             row[f"{name}_peak_gib"] = None if result["peak_gib"] is None else round(result["peak_gib"], 2)
             row[f"{name}_losses"] = result["losses"]
+            row[f"{name}_resident_before_gib"] = result["resident_before_gib"]
             shape = result["shape"]
     stock, pf = runs["stock"], runs["prefixflow"]
     if stock and pf:
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--config", default="", type=harness.options, help="KEY=VALUE,... DPOConfig fields for both")
+    parser.add_argument("--order", default="stock,prefixflow", choices=("stock,prefixflow", "prefixflow,stock"),
+                        help="which trainer runs first in the process")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
     args = parser.parse_args(argv)

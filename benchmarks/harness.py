@@ -79,6 +79,11 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def allocated_gib() -> float | None:
+    """Device memory allocated now, in GiB (None on a CPU): what a run starts from."""
+    return round(torch.cuda.memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
 def peak_gib() -> float | None:
     """Peak allocated device memory since the last `reset_peak`, in GiB (None on a CPU)."""
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None

@@ -271,7 +271,9 @@ def kernel_check(args) -> list[dict]:
         leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
         call = dict(leaves, initial_state=leaves["initial_state"].detach() if detach_state
                     else leaves["initial_state"])
-        out, state = fn(**call, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        # q, k, v positionally: the fused kernel names them q, k, v, the reference query, key, value.
+        out, state = fn(call.pop("query"), call.pop("key"), call.pop("value"), **call, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
         ((out * upstream[0]).sum() + (state * upstream[1]).sum()).backward()
         grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in leaves.items()}
         return dict(output=out.detach(), final_state=state.detach(), **{f"grad_{k}": g for k, g in grads.items()})

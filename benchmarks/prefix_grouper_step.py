@@ -234,12 +234,23 @@ def row(args, model: torch.nn.Module, prompt: torch.Tensor, suffixes: list[torch
         print("worst relative gradient error against full sequences: "
               + ", ".join(f"{side} {error:.2e}" for side, error in errors.items()), flush=True)
         result.update({f"{side}_grad_rel_err": error for side, error in errors.items()})
-    runs = sides(model, prompt, suffixes, args.wave)
+    runs, result["out_of_memory"] = sides(model, prompt, suffixes, args.wave), []
     for side in SIDES:
-        seconds, peak = measure(model, runs[side], args.repeats)
+        try:
+            seconds, peak = measure(model, runs[side], args.repeats)
+        except torch.OutOfMemoryError:  # recorded, and the other sides still run
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            result["out_of_memory"].append(side)
+            result[f"{side}_s"] = result[f"{side}_peak_gib"] = None
+            print(side, "out of device memory", flush=True)
+            continue
         result[f"{side}_s"], result[f"{side}_peak_gib"] = round(seconds, 4), None if peak is None else round(peak, 2)
         print(side, f"{seconds:.3f} s", f"{peak:.1f} GiB" if peak else "", flush=True)
     for side in SIDES[1:]:
+        if result["full_s"] is None or result[f"{side}_s"] is None:
+            result[f"{side}_speedup"] = result[f"{side}_share_of_flop_ratio"] = None
+            continue
         speedup = result["full_s"] / result[f"{side}_s"]
         result[f"{side}_speedup"], result[f"{side}_share_of_flop_ratio"] = round(speedup, 3), round(speedup / bound, 3)
     result.update(repeats=args.repeats, **environment)
@@ -258,6 +269,11 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+    """A measured figure, or OOM where its side ran out of device memory."""
+    return "OOM" if value is None else format(value, spec) + unit
+
+
 def write(rows: list[dict], run: harness.RunFolder) -> None:
     """Rows to `prefix_grouper_step.json` and `.md`; a run replaces an earlier row of the same setting."""
     path = run.path / "prefix_grouper_step.json"
@@ -271,9 +287,11 @@ def write(rows: list[dict], run: harness.RunFolder) -> None:
                   if "prefixflow_grad_rel_err" in r else "-")
         lines.append(
             f"| {r['model']} | {r['P']} / {_lengths(r['S'])} | {r['N']} | {r['checkpointing']} "
-            f"| {r['full_s']:.3f} | {r['prefix_grouper_s']:.3f} | {r['prefixflow_s']:.3f} "
-            f"| {r['prefix_grouper_speedup']:.2f}x | {r['prefixflow_speedup']:.2f}x | {r['flop_ratio']:.2f}x "
-            f"| {r['prefix_grouper_share_of_flop_ratio']:.1%} | {r['prefixflow_share_of_flop_ratio']:.1%} "
+            f"| {' | '.join(_fmt(r[f'{side}_s'], '.3f') for side in SIDES)} "
+            f"| {_fmt(r['prefix_grouper_speedup'], '.2f', 'x')} | {_fmt(r['prefixflow_speedup'], '.2f', 'x')} "
+            f"| {r['flop_ratio']:.2f}x "
+            f"| {_fmt(r['prefix_grouper_share_of_flop_ratio'], '.1%')} "
+            f"| {_fmt(r['prefixflow_share_of_flop_ratio'], '.1%')} "
             f"| {' / '.join(_gib(r[f'{side}_peak_gib']) for side in SIDES)} | {errors} "
             f"| {r.get('gpu', r.get('device'))} |")  # rows written before the harness: `device`
     run.write(rows, lines)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -82,6 +84,29 @@ def test_prefix_grouper_step_replaces_a_row_of_the_same_setting(tmp_path):
     assert [r["P"] for r in json.loads((tmp_path / "prefix_grouper_step.json").read_text())] == [4, 8]
     table = (tmp_path / "prefix_grouper_step.md").read_text()
     assert "| m | 4 / 4 | 2 | on |" in table and table.rstrip().endswith("| cpu |") and "| CPU |" in table
+
+
+def test_prefix_grouper_step_records_a_side_out_of_memory(tmp_path, monkeypatch):
+    """A side that runs out of device memory is listed and shown as OOM; the other sides are still measured."""
+    import argparse
+
+    import prefix_grouper_step as pg
+
+    def measure(model, run, repeats):
+        if run is oom:
+            raise torch.OutOfMemoryError("out of memory")
+        return 2.0, None
+
+    oom = object()
+    monkeypatch.setattr(pg, "measure", measure)
+    monkeypatch.setattr(pg, "sides", lambda *a: {"full": None, "prefix_grouper": oom, "prefixflow": None})
+    model = pg.build_tiny(True)
+    args = argparse.Namespace(tiny=False, model="m", wave=1, checkpointing="on", repeats=1)
+    row = pg.row(args, model, torch.arange(8), [torch.arange(4)] * 2, {"gpu": "cpu"})
+    assert row["out_of_memory"] == ["prefix_grouper"] and row["prefix_grouper_speedup"] is None
+    assert row["prefixflow_speedup"] == 1.0
+    pg.write([row], harness.RunFolder("prefix_grouper_step", tmp_path, argv=[]))
+    assert "| 2.000 | OOM | 2.000 | OOM | 1.00x |" in (tmp_path / "prefix_grouper_step.md").read_text()
 
 
 def test_writers_of_the_gpu_measurements(tmp_path):

@@ -77,7 +77,8 @@ def test_the_results_table_reads_from_its_runs():
             figures.append(range_of([a["speedup"], b["speedup"]]) + "x")
             stock, pf = a.get("peak_gib_stock", a.get("stock_peak_gib")), a.get("peak_gib_prefixflow",
                                                                                 a.get("prefixflow_peak_gib"))
-            figures.append(f"{stock} -> {pf}")
+            # DPO ran PrefixFlow second in its process, whose peak reads 30.6 GiB whatever its need: a bound.
+            figures.append(f"{stock} -> at most {pf}" if name == "dpo_step" else f"{stock} -> {pf}")
     assert [f for f in figures if f not in readme] == []
 
 
