@@ -17,7 +17,7 @@ of device memory is listed in `out_of_memory`. Only the first run in a process g
 run after another in the same process has read 30.6 GiB on the Llama3-8B LoRA shape whatever its own need, with
 either trainer second (about two copies of the weights; the holder is not yet traced;
 `2026-12-05_dpo_trainer_order`), so each side records what was allocated before it built its model (`*_resident_before_gib`) and `--order` picks which
-side runs first. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
+side runs first, or runs one alone. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
 `--out` after each point (`harness.RunFolder`).
 """
 
@@ -131,7 +131,7 @@ def measure(prompt: int, response: int, args, environment: dict) -> dict:
             row[f"{name}_losses"] = result["losses"]
             row[f"{name}_resident_before_gib"] = result["resident_before_gib"]
             shape = result["shape"]
-    stock, pf = runs["stock"], runs["prefixflow"]
+    stock, pf = runs.get("stock"), runs.get("prefixflow")
     if stock and pf:
         row["speedup"] = round(row["stock_s"] / row["prefixflow_s"], 3)
         if stock["peak_gib"] is not None:
@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--config", default="", type=harness.options, help="KEY=VALUE,... DPOConfig fields for both")
-    parser.add_argument("--order", default="stock,prefixflow", choices=("stock,prefixflow", "prefixflow,stock"),
-                        help="which trainer runs first in the process")
+    parser.add_argument("--order", default="stock,prefixflow",
+                        choices=("stock,prefixflow", "prefixflow,stock", "stock", "prefixflow"),
+                        help="the trainers this process runs, first to last (one alone: a clean peak)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
     args = parser.parse_args(argv)
