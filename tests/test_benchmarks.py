@@ -109,6 +109,31 @@ def test_prefix_grouper_step_records_a_side_out_of_memory(tmp_path, monkeypatch)
     assert "| 2.000 | OOM | 2.000 | OOM | 1.00x |" in (tmp_path / "prefix_grouper_step.md").read_text()
 
 
+def test_dpo_step_runs_the_trainers_of_its_order(monkeypatch):
+    """`--order` runs the named trainers in that order, one alone where one is named (a clean peak per process);
+    each side records what it found allocated before building its model."""
+    import argparse
+
+    import dpo_step
+    from hf_prefixflow.planning.flops import ModelShape
+
+    ran = []
+
+    def run(name, prompt, response, args):
+        ran.append(name)
+        shape = ModelShape(layers=1, hidden=8, attention_width=8, layer_weights=256, vocab=32)
+        return {"steps": [1.0], "warmup_steps": [2.0], "peak_gib": 3.0, "resident_before_gib": 0.5,
+                "fallback_pairs": 0, "losses": [0.69], "shape": shape}
+
+    monkeypatch.setattr(dpo_step, "run", run)
+    args = argparse.Namespace(tiny=True, lora=False, batch=1, config={}, warmup=1, steps=1, order="prefixflow,stock")
+    row = dpo_step.measure(16, 4, args, {})
+    assert ran == ["prefixflow", "stock"] and row["speedup"] == 1.0 and row["stock_resident_before_gib"] == 0.5
+    ran.clear()
+    row = dpo_step.measure(16, 4, argparse.Namespace(**{**vars(args), "order": "prefixflow"}), {})
+    assert ran == ["prefixflow"] and "speedup" not in row and row["prefixflow_peak_gib"] == 3.0
+
+
 def test_writers_of_the_gpu_measurements(tmp_path):
     import argparse
 
