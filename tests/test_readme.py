@@ -82,6 +82,35 @@ def test_the_results_table_reads_from_its_runs():
     assert [f for f in figures if f not in readme] == []
 
 
+def test_the_single_gpu_rows_read_from_their_runs():
+    """The README's H100 rows (compiled layers, DPO at 4,096/512, Qwen3.5 steps, Nemotron-H steps): each speedup is
+    the range of stock / PrefixFlow seconds over the calls' files, each Nemotron-H time the range of its seconds."""
+    results = ROOT / "benchmarks" / "results"
+
+    def rows(*paths: str) -> list[dict]:
+        return [row for path in paths for row in json.loads((results / path).read_text())]
+
+    def speedups(found: list[dict], **match) -> str:
+        chosen = [r for r in found if all(r.get(k) == v for k, v in match.items())]
+        return range_of([r["stock_s"] / r["prefixflow_s"] for r in chosen]) + "x"
+
+    compiled = rows("2026-12-05_compiled_step/compiled_call1.json", "2026-12-05_compiled_step/compiled_call2.json")
+    eager = rows("2026-12-05_compiled_step/eager_call2.json")
+    dpo = rows(*(f"2026-12-05_dpo_trainer_order/{name}.json" for name in
+                 ("stock_first_call1", "prefixflow_first_call2", "prefixflow_first_call3")))
+    qwen35 = rows("2026-12-05_qwen3_5_fla/trainer_step_call1.json", "2026-12-05_qwen3_5_fla/trainer_step_call2.json",
+                  "2026-12-05_qwen3_5_memory_trace/trainer_step_call3.json")
+    nemotron = rows("2026-12-05_nemotron_h_step/trainer_step_call1.json",
+                    "2026-12-05_nemotron_h_step/trainer_step_call2.json")
+    figures = [f"{speedups(compiled, batch=4)} / {speedups(compiled, batch=16)}",
+               f"{speedups(eager, batch=4)} / {speedups(eager, batch=16)}",
+               speedups(dpo, P=4096),
+               f"{speedups(qwen35, batch=4)} / {speedups(qwen35, batch=16)}",
+               *(range_of([r["prefixflow_s"] for r in nemotron if r["batch"] == b]) + " s" for b in (4, 16))]
+    readme = (ROOT / "README.md").read_text()
+    assert [f for f in figures if f not in readme] == []
+
+
 def readme_snippet(section: str) -> str:
     """The first Python block under the README's `## section` heading."""
     readme = (ROOT / "README.md").read_text()
