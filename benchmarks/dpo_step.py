@@ -15,10 +15,10 @@ memory over its run, the pairs PrefixFlow sent to the plain path, and the FLOP r
 (`planning.flops`, the two rows of a pair against the prompt once and the two responses). A side that runs out
 of device memory is listed in `out_of_memory`. Only the first run in a process gives a clean peak: on the GPU a
 run after another in the same process has read 30.6 GiB on the Llama3-8B LoRA shape whatever its own need, with
-either trainer second (about two copies of the weights; the holder is not yet traced;
-`2026-12-05_dpo_trainer_order`), so each side records what was allocated before it built its model (`*_resident_before_gib`) and `--order` picks which
-side runs first, or runs one alone. Rows go to `dpo_step.json`, `.md` and a generated `MANIFEST.md` in
-`--out` after each point (`harness.RunFolder`).
+either trainer second (about two copies of the weights, held by something not identified;
+`2026-12-05_dpo_trainer_order`). So each side records what was allocated before it built its model
+(`*_resident_before_gib`), and `--order` picks which side runs first, or runs one alone. Rows go to `dpo_step.json`,
+`.md` and a generated `MANIFEST.md` in `--out` after each point (`harness.RunFolder`).
 """
 
 from __future__ import annotations
