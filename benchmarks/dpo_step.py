@@ -18,7 +18,10 @@ run after another in the same process has read 30.6 GiB on the Llama3-8B LoRA sh
 either trainer second (about two copies of the weights, held by something not identified;
 `2026-12-05_dpo_trainer_order`). So each side records what was allocated before it built its model
 (`*_resident_before_gib`), and `--order` picks which side runs first, or runs one alone. Rows go to `dpo_step.json`,
-`.md` and a generated `MANIFEST.md` in `--out` after each point (`harness.RunFolder`).
+`.md` and a generated `MANIFEST.md` in `--out` after each point (`harness.RunFolder`). `--profile` instead runs one
+step of each trainer after the warm-up under the torch profiler, at the first split, and writes
+`dpo_step_profile.json` and `.md` (`trainer_step.py --profile`'s phases and operator tables; TRL runs the reference
+pass inside `forward_and_loss`, and PrefixFlow's `phase_a` counts the policy's prompt and the reference's).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import synthetic  # noqa: E402 - a local word-level tokenizer
 from step_timing import StepTimer  # noqa: E402
 
 import harness  # noqa: E402 - benchmarks/harness.py
-from trainer_step import release  # noqa: E402 - benchmarks/trainer_step.py
+from trainer_step import profile_markdown, profiled_step, release  # noqa: E402 - benchmarks/trainer_step.py
 
 TRAINERS = {"stock": (DPOTrainer, DPOConfig), "prefixflow": (PrefixFlowDPOTrainer, PrefixFlowDPOConfig)}
 
@@ -82,23 +85,28 @@ def build(args, tokenizer) -> torch.nn.Module:
     return model
 
 
-def run(name: str, prompt: int, response: int, args) -> dict | None:
-    """One trainer at one split: step seconds, peak memory, logged metrics; None when out of device memory."""
+def make_trainer(name: str, prompt: int, response: int, args, steps: int):
+    """`name`'s trainer on a fresh model, set up for `steps` steps of `args.batch` pairs."""
     tokenizer = synthetic.make_tokenizer()
     trainer_class, config_class = TRAINERS[name]
-    steps = args.warmup + args.steps
     options = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=args.batch,
                    max_length=None, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
                    learning_rate=1e-6, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
     config = (config_class if name == "prefixflow" else DPOConfig)(**{**options, **args.config})
+    model = build(args, tokenizer)
+    ref_model = None if args.lora else build(args, tokenizer)  # a random model has no checkpoint to reload
+    trainer = trainer_class(model=model, ref_model=ref_model, args=config, processing_class=tokenizer,
+                            train_dataset=pairs(args.batch * steps, prompt, response))
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def run(name: str, prompt: int, response: int, args) -> dict | None:
+    """One trainer at one split: step seconds, peak memory, logged metrics; None when out of device memory."""
     trainer = None
     resident = harness.allocated_gib()  # what an earlier run in this process left allocated
     try:
-        model = build(args, tokenizer)
-        ref_model = None if args.lora else build(args, tokenizer)  # a random model has no checkpoint to reload
-        trainer = trainer_class(model=model, ref_model=ref_model, args=config, processing_class=tokenizer,
-                                train_dataset=pairs(args.batch * steps, prompt, response))
-        trainer.remove_callback(PrinterCallback)
+        trainer = make_trainer(name, prompt, response, args, args.warmup + args.steps)
         timer = StepTimer()
         trainer.add_callback(timer)
         harness.reset_peak()
@@ -145,6 +153,23 @@ def measure(prompt: int, response: int, args, environment: dict) -> dict:
     return row
 
 
+def profile(prompt: int, response: int, args, run: harness.RunFolder) -> None:
+    """`--profile`: the step after `--warmup` of each trainer of `--order` under the torch profiler; per phase the
+    wall and GPU-busy time, and the operators with the most host and device time."""
+    rows, ops = [], {}
+    for name in args.order.split(","):
+        trainer = make_trainer(name, prompt, response, args, args.warmup + 1)
+        phases, ops[name] = profiled_step(trainer, args.warmup)
+        release(trainer)
+        rows += [{"trainer": name, **r} for r in phases]
+    meta = {"P": prompt, "S": response, "model": "tiny" if args.tiny else args.model, "lora": args.lora,
+            "command": run.command, **run.environment}
+    text = profile_markdown(f"One step after {args.warmup} (P={prompt}, S={response}, {meta['model']}, "
+                            f"LoRA {args.lora}).", rows, ops)
+    run.write({"meta": meta, "phases": rows, "top_ops": ops}, text.splitlines())
+    print(text, flush=True)
+
+
 def table(rows: list[dict]) -> list[str]:
     first = rows[0]
     lines = [f"Median of {first['timed_steps']} steps after {first['warmup']}.", "",
@@ -170,12 +195,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--order", default="stock,prefixflow",
                         choices=("stock,prefixflow", "prefixflow,stock", "stock", "prefixflow"),
                         help="the trainers this process runs, first to last (one alone: a clean peak)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one step of each trainer at the first split instead of timing")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
     args = parser.parse_args(argv)
     splits = [tuple(map(int, split.split("/"))) for split in args.splits.split(",")]
     if args.tiny:
         splits, args.steps = [(min(p, 96), min(s, 8)) for p, s in splits], min(args.steps, 2)
+    if args.profile:
+        profile(*splits[0], args, harness.RunFolder("dpo_step", args.out, tag="dpo_step_profile", argv=argv))
+        return []
     run, rows = harness.RunFolder("dpo_step", args.out, argv=argv), []
     for prompt, response in splits:
         rows.append(measure(prompt, response, args, run.environment))

@@ -21,7 +21,8 @@ speedup if the step's non-generation part took its FLOP-ideal time (stock genera
 `_generate_single_turn`). Rows go to `trainer_step.json`, `.md` and a generated `MANIFEST.md` in `--out` after each
 one (`harness.RunFolder`). `--profile` runs the grid's first point once per trainer under the torch profiler
 instead and writes `trainer_step_profile.json` and `.md`: per phase (record_function ranges) the wall time and the
-time the GPU was busy within it (the union of kernels, copies and memsets); a low share is host-bound time.
+time the GPU was busy within it (the union of kernels, copies and memsets; a low share is host-bound time), and the
+operators with the most host and device time of their own.
 `--memory-trace` runs the grid's first point once per trainer with the CUDA allocator's history recorded over the
 step after the warm-up and writes `trainer_step_memory.json` and `.md`: each trainer's largest live set in that step
 and the ten allocating frames that hold most of it (`memory_trace.peak_set`), beside the whole run's peak.
@@ -71,7 +72,9 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from hf_prefixflow import (PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, PrefixFlowRLOOConfig,
                            PrefixFlowRLOOTrainer)
+from hf_prefixflow import _compat
 from hf_prefixflow.planning.flops import ModelShape
+from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import PrefixGroup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import harness  # noqa: E402 - benchmarks/harness.py: the run folder, environment and peak memory
@@ -150,9 +153,20 @@ def make_trainer(name: str, point: Point, args, steps: int):
         reward_funcs=lambda completions, **kwargs: [rewards.random() for _ in completions],
         train_dataset=prompts(groups * steps + 1, prefix))
     trainer.remove_callback(PrinterCallback)  # the logs are in the rows
+    if name == "stock" and args.stock_compile_layers:
+        compile_layers(trainer.model)
     if point.generation == "fixed":
         fixed_completions(trainer, point.completion, len(tokenizer))
     return trainer
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`--stock-compile-layers`: compile each decoder layer of the stock trainer's model in place, as PrefixFlow's
+    `torch_compile=True` does with its own (TRL's `torch_compile` compiles the whole model instead)."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    _compat.raise_recompile_limit(4 * len(layers))
 
 
 def prefix_length(ratio: float, completion: int) -> int:
@@ -304,7 +318,7 @@ def measure(point: Point, args, environment: dict) -> dict:
                               bool(pf["suffix_recomputed"]))
         row["compute_ratio"] = None if ratio is None else round(ratio, 3)  # flop_ratio with recomputation counted
     row.update(config=args.config, prefixflow_config=args.prefixflow_config, warmup=args.warmup, timed_steps=args.steps,
-               **environment)
+               stock_compile_layers=args.stock_compile_layers, **environment)
     return row
 
 
@@ -328,7 +342,8 @@ def settings(row: dict) -> str:
     """A row's non-default settings: `--config` for both trainers, `--prefixflow-config` for PrefixFlow's."""
     both = [f"{k}={v}" for k, v in row.get("config", {}).items()]
     own = [f"PF {k}={v}" for k, v in row.get("prefixflow_config", {}).items()]
-    return ", ".join(both + own) or "defaults"
+    stock = ["stock layers compiled"] if row.get("stock_compile_layers") else []
+    return ", ".join(both + own + stock) or "defaults"
 
 
 # -- --memory-trace: where one step's peak memory goes --------------------------------------------------------------
@@ -385,7 +400,7 @@ def trace_memory(point: Point, args, run: harness.RunFolder) -> None:
 
 PHASES = {"_generate_single_turn": "generation", "_generate_and_score_completions": "generate_and_score",
           "training_step": "microbatch", "compute_loss": "forward_and_loss", "_end_boundary": "phase_c",
-          "_close_groups_not_in": "phase_c"}
+          "_close_groups_not_in": "phase_c", "_end_session": "phase_c"}
 GROUP_PHASES = {"_prefix_forward": "phase_a", "run_wave": "wave_forward"}  # PrefixGroup's methods
 ORDER = ["step", "generate_and_score", "generation", "microbatch", "forward_and_loss", "phase_a", "wave_forward",
          "backward", "phase_c", "optimizer"]
@@ -428,7 +443,7 @@ class ProfiledStep(TrainerCallback):
             self._exit("step")
             self.profiler.__exit__(None, None, None)
             self.profiler.export_chrome_trace(str(self.trace))
-            self.ops = top_host_ops(self.profiler)
+            self.ops = top_ops(self.profiler)
             self.profiler = None
 
 
@@ -488,11 +503,16 @@ def summarise(trace: pathlib.Path) -> list[dict]:
     return sorted(rows, key=lambda r: ORDER.index(r["phase"]))
 
 
-def top_host_ops(profiler, count: int = 12) -> list[dict]:
-    """The operators with the most host time of their own in the profiled step."""
-    ops = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)}
-            for e in ops if not e.key.startswith("ProfilerStep")][:count]
+def top_ops(profiler, count: int = 12) -> list[dict]:
+    """The operators with the most host time of their own in the profiled step, then (on a GPU) those with the
+    most device time of their own (kernels, where the time of a host-bound step is not)."""
+    events = [e for e in profiler.key_averages() if not e.key.startswith("ProfilerStep")]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
+    rows = [{"op": e.key, "calls": e.count, "self_host_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in host]
+    device = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
+                    reverse=True)[:count]
+    return rows + [{"op": e.key, "calls": e.count, "self_device_ms": round(e.self_device_time_total / 1e3, 2)}
+                   for e in device]
 
 
 def profiled_step(trainer, warmup: int) -> tuple[list[dict], list[dict]]:
@@ -514,8 +534,12 @@ def profile_markdown(heading: str, rows: list[dict], ops: dict[str, list[dict]])
     lines += [f"| {r['trainer']} | {r['phase']} | {r['calls']} | {r['wall_ms']} | {r['gpu_busy_ms']} | "
               f"{r['gpu_busy_share']} |" for r in rows]
     for name, table in ops.items():
-        lines += ["", f"{name}: operators by host time of their own", "", "| op | calls | self host ms |",
-                  "| --- | --- | --- |"] + [f"| `{o['op']}` | {o['calls']} | {o['self_host_ms']} |" for o in table]
+        for key, what in (("self_host_ms", "host"), ("self_device_ms", "device")):
+            picked = [o for o in table if key in o]
+            if picked:
+                lines += ["", f"{name}: operators by {what} time of their own", "",
+                          f"| op | calls | self {what} ms |", "| --- | --- | --- |"]
+                lines += [f"| `{o['op']}` | {o['calls']} | {o[key]} |" for o in picked]
     return "\n".join(lines) + "\n"
 
 
@@ -529,7 +553,7 @@ def profile(point: Point, args, out: pathlib.Path, environment: dict) -> None:
     meta = {"point": vars(point), "P": prefix_length(point.ratio, point.completion), "S": point.completion, "N": args.n,
             "prefixflow_config": args.prefixflow_config, **environment}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_host_ops": ops},
+    (out / "trainer_step_profile.json").write_text(json.dumps({"meta": meta, "phases": rows, "top_ops": ops},
                                                               indent=1))
     text = profile_markdown(f"One profiled step after {args.warmup} ({meta['point']}, P={meta['P']}, S={meta['S']}, "
                             f"N={meta['N']}) on {meta['gpu']}, commit {meta['commit']}.", rows, ops)
@@ -567,6 +591,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--one-config", action="store_true",
                         help="narrow Triton autotuning to one configuration per kernel (harness.one_triton_config)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_<tag>")
+    parser.add_argument("--stock-compile-layers", action="store_true",
+                        help="compile each decoder layer of the stock trainer's model (the like-for-like baseline of "
+                             "--prefixflow-config torch_compile=true)")
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
     autotuning = harness.one_triton_config() if args.one_config else None

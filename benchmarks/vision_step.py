@@ -273,7 +273,7 @@ def profile(args, run: harness.RunFolder) -> None:
         rows += [{"trainer": name, **r} for r in phases]
     meta = {"command": run.command, **run.environment}
     text = profile_markdown(f"One step after {args.warmup}.", rows, ops)
-    run.write({"meta": meta, "phases": rows, "top_host_ops": ops}, text.splitlines())
+    run.write({"meta": meta, "phases": rows, "top_ops": ops}, text.splitlines())
     print(text, flush=True)
 
 
