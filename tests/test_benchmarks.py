@@ -208,3 +208,39 @@ def test_traced_step_finds_the_steps_largest_live_set():
     step.on_step_end(None, SimpleNamespace(global_step=2), None)
     assert step.peak_bytes == 190 and step.start is None
     assert step.split == {"weights.py:1:weights": 100, "phase_c.py:1:phase_c": 90}
+
+
+def test_dpo_criterion_passes_correct_steps_and_fails_a_broken_one(tmp_path):
+    """The DPO bf16 criterion on the CPU (bf16 autocast, fp64 reference): a correct step passes at the first and
+    the last check, Phase C skipped fails."""
+    import dpo_criterion
+
+    good = dpo_criterion.main(["--tiny", "--cases", "full", "--broken", "phase-c-skipped", "--steps", "2",
+                               "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "dpo_criterion.json").read_text())
+    assert good and [(r["variant"], r["step"], r["passed"]) for r in rows] == [
+        ("correct", 1, True), ("correct", 2, True), ("phase-c-skipped", 1, False), ("phase-c-skipped", 2, False)]
+    assert all(r["fallback_rows"] == 0 for r in rows)
+
+
+def test_dpo_step_profiles_each_trainer(tmp_path):
+    import dpo_step
+
+    assert dpo_step.main(["--tiny", "--profile", "--splits", "48/6", "--out", str(tmp_path)]) == []
+    report = json.loads((tmp_path / "dpo_step_profile.json").read_text())
+    phases = {(r["trainer"], r["phase"]) for r in report["phases"]}
+    assert {("stock", "step"), ("prefixflow", "phase_a"), ("prefixflow", "phase_c")} <= phases
+    assert all(any("self_host_ms" in op for op in ops) for ops in report["top_ops"].values())
+
+
+def test_stock_compile_layers_compiles_each_decoder_layer():
+    import trainer_step
+    from hf_prefixflow import _compat
+    from hf_prefixflow.core.recompute import decoder_layers
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import synthetic
+
+    model = synthetic.make_model(synthetic.make_tokenizer(), layers=3)
+    trainer_step.compile_layers(model)
+    assert [_compat.is_compiled(layer) for layer in decoder_layers(model)] == [True] * 3
