@@ -23,7 +23,6 @@ in `--out` after each case; exits with 1 unless every correct row passes and eve
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import pathlib

@@ -22,6 +22,9 @@ either trainer second (about two copies of the weights, held by something not id
 step of each trainer after the warm-up under the torch profiler, at the first split, and writes
 `dpo_step_profile.json` and `.md` (`trainer_step.py --profile`'s phases and operator tables; TRL runs the reference
 pass inside `forward_and_loss`, and PrefixFlow's `phase_a` counts the policy's prompt and the reference's).
+`--frontier-cap-gib C` caps the process at C GiB of device memory and runs one step of each trainer at each split
+in increasing prompt length until one runs out of memory: `dpo_frontier.json` and `.md` name each trainer's longest
+prompt that trained and their ratio (the frontier ratio; the next split bounds it from above).
 """
 
 from __future__ import annotations
@@ -170,6 +173,38 @@ def profile(prompt: int, response: int, args, run: harness.RunFolder) -> None:
     print(text, flush=True)
 
 
+def frontier(splits: list[tuple[int, int]], args, folder: harness.RunFolder) -> list[dict]:
+    """`--frontier-cap-gib`: under that device cap, one step of each trainer of `--order` at each split in order of
+    prompt length, until the first that runs out of memory; the row of each trainer names its longest prompt that
+    trained, and `frontier_ratio` is PrefixFlow's over DPOTrainer's (a bracket: the next split failed)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(args.frontier_cap_gib * 2**30 /
+                                                   torch.cuda.get_device_properties(0).total_memory)
+    args.warmup, args.steps = 0, 1
+    trials, longest = [], {}
+    for name in args.order.split(","):
+        for prompt, response in sorted(splits):
+            result = run(name, prompt, response, args)
+            trials.append({"trainer": name, "P": prompt, "S": response, "trained": result is not None,
+                           "peak_gib": None if result is None or result["peak_gib"] is None
+                           else round(result["peak_gib"], 2)})
+            print(json.dumps(trials[-1]), flush=True)
+            if result is None:
+                break
+            longest[name] = prompt
+    report = {"cap_gib": args.frontier_cap_gib, "longest_prompt": longest, "trials": trials,
+              "model": "tiny" if args.tiny else args.model, "lora": args.lora, **folder.environment}
+    if longest.get("stock") and longest.get("prefixflow"):
+        report["frontier_ratio"] = round(longest["prefixflow"] / longest["stock"], 3)
+    lines = [f"Under a {args.frontier_cap_gib} GiB device cap, one step per trial, prompts in increasing order until "
+             "the first out of memory.", "", "| trainer | P | S | trained | peak GiB |", "| --- " * 5 + "|"]
+    lines += [f"| {t['trainer']} | {t['P']} | {t['S']} | {'yes' if t['trained'] else 'out of memory'} | "
+              f"{t['peak_gib']} |" for t in trials]
+    lines += ["", f"Longest prompt that trained: {longest}; frontier ratio {report.get('frontier_ratio', '-')}."]
+    folder.write(report, lines)
+    return trials
+
+
 def table(rows: list[dict]) -> list[str]:
     first = rows[0]
     lines = [f"Median of {first['timed_steps']} steps after {first['warmup']}.", "",
@@ -197,6 +232,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="the trainers this process runs, first to last (one alone: a clean peak)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one step of each trainer at the first split instead of timing")
+    parser.add_argument("--frontier-cap-gib", type=float, default=None,
+                        help="under this device cap, the longest prompt of --splits each trainer trains")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: a tiny model, short sequences")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<date>_dpo_step")
     args = parser.parse_args(argv)
@@ -206,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile:
         profile(*splits[0], args, harness.RunFolder("dpo_step", args.out, tag="dpo_step_profile", argv=argv))
         return []
+    if args.frontier_cap_gib is not None:
+        return frontier(splits, args, harness.RunFolder("dpo_step", args.out, tag="dpo_frontier", argv=argv))
     run, rows = harness.RunFolder("dpo_step", args.out, argv=argv), []
     for prompt, response in splits:
         rows.append(measure(prompt, response, args, run.environment))

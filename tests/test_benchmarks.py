@@ -244,3 +244,22 @@ def test_stock_compile_layers_compiles_each_decoder_layer():
     model = synthetic.make_model(synthetic.make_tokenizer(), layers=3)
     trainer_step.compile_layers(model)
     assert [_compat.is_compiled(layer) for layer in decoder_layers(model)] == [True] * 3
+
+
+def test_dpo_frontier_stops_each_trainer_at_its_first_out_of_memory(tmp_path, monkeypatch):
+    import argparse
+
+    import dpo_step
+
+    fits = {"stock": 2048, "prefixflow": 4096}
+    monkeypatch.setattr(dpo_step, "run", lambda name, prompt, response, args: (
+        {"peak_gib": 1.0} if prompt <= fits[name] else None))
+    args = argparse.Namespace(tiny=True, lora=True, model="m", order="stock,prefixflow", frontier_cap_gib=20.0)
+    run = harness.RunFolder("dpo_step", tmp_path, tag="dpo_frontier", argv=[])
+    trials = dpo_step.frontier([(8192, 64), (1024, 64), (2048, 64), (4096, 64)], args, run)
+    assert [(t["trainer"], t["P"], t["trained"]) for t in trials] == [
+        ("stock", 1024, True), ("stock", 2048, True), ("stock", 4096, False),
+        ("prefixflow", 1024, True), ("prefixflow", 2048, True), ("prefixflow", 4096, True),
+        ("prefixflow", 8192, False)]
+    report = json.loads((tmp_path / "dpo_frontier.json").read_text())
+    assert report["longest_prompt"] == fits and report["frontier_ratio"] == 2.0
