@@ -266,6 +266,15 @@ def grpo_trainer_private(version=None) -> dict:
     return GRPO_TRAINER_PRIVATE_1_14 if version < Version("1.15") else GRPO_TRAINER_PRIVATE
 
 
+def forward_without_mixed_precision(module: torch.nn.Module) -> Callable:
+    """`module.forward` without Accelerate's mixed-precision wrapper, which `Accelerator.prepare_model` puts on the
+    instance, keeping the forward it wrapped in `_original_forward` (private; checked on accelerate 1.15). That
+    wrapper enters one `torch.autocast` object on every call, and the object is not reentrant: entered again while
+    active, its exit restores the inner entry's state, so a forward that calls the module again through it leaves
+    autocast enabled after the outer call returns."""
+    return module.__dict__.get("_original_forward", module.forward)
+
+
 def trl_fused_lm_head() -> Callable | None:
     """TRL's `add_fused_lm_head` (1.15 on), which `GRPOTrainer.__init__` applies to its models; None before."""
     import trl.trainer.utils

@@ -291,10 +291,10 @@ def test_swapped_rows_in_the_shared_run_are_caught(one_thread, base, tmp_path, m
 def test_reference_pass_without_the_prefix_is_caught(one_thread, base, tmp_path, monkeypatch):
     """A reference pass whose waves do not read the common prefix (only its last token, at the right position)."""
 
-    def without_prefix(self, session, model, prefix_ids):
+    def without_prefix(self, session, model, fused, prefix_ids):
         if torch.is_grad_enabled():
-            return opened(self, session, model, prefix_ids)
-        runner = pf_dpo._PrefixOutput()
+            return opened(self, session, model, fused, prefix_ids)
+        runner = pf_dpo._PrefixOutput(fused)
         group = PrefixGroup(model, prefix_ids[-1:], position_offset=len(prefix_ids) - 1, runner=runner)
         session.add(group)
         return group, runner
@@ -305,6 +305,39 @@ def test_reference_pass_without_the_prefix_is_caught(one_thread, base, tmp_path,
     pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
     with pytest.raises(AssertionError, match="grad"):
         assert_aligned(stock, pf)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["reference-model", "lora"])
+def test_mixed_precision_leaves_autocast_as_it_found_it(one_thread, tmp_path, monkeypatch, lora):
+    """fp32 weights under bf16 mixed precision: Accelerate wraps each prepared model's call in one autocast object,
+    which is not reentrant. The pair path runs inside that call, so its waves go through TRL's forward, not the
+    call again: training ends with autocast off, with a separate reference model (prepared before the pair path
+    wraps it) and with LoRA, and the losses follow the stock trainer's. Waves through the module's call (the broken
+    variant) leave autocast on after a full fine-tuning step."""
+    model = setup.make_model()
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+    overrides = dict(bf16=True, max_steps=2, gradient_checkpointing=True, learning_rate=0.05)
+    stock = build(DPOTrainer, model, tmp_path, peft_config=peft, **overrides)
+    stock.train()
+    assert not torch.is_autocast_enabled("cpu")
+    pf = build(PrefixFlowDPOTrainer, model, tmp_path, peft_config=peft, **overrides)
+    pf.train()
+    assert not torch.is_autocast_enabled("cpu") and metric(pf.state.log_history, "prefixflow/groups") > 0
+    losses = [(e["loss"], a["loss"]) for e, a in zip(stock.state.log_history, pf.state.log_history) if "loss" in e]
+    assert losses and all(abs(a - e) <= 2e-2 * abs(e) for e, a in losses)  # bf16 rounding apart
+    if lora:
+        return
+    opened = pf_dpo.PairScorer._open
+
+    def through_the_call(self, session, model, fused, prefix_ids):
+        return opened(self, session, model, None, prefix_ids)
+
+    monkeypatch.setattr(pf_dpo.PairScorer, "_open", through_the_call)
+    try:
+        build(PrefixFlowDPOTrainer, model, tmp_path, **overrides).train()
+        assert torch.is_autocast_enabled("cpu")
+    finally:
+        torch.set_autocast_enabled("cpu", False)
 
 
 # -- the plain path ------------------------------------------------------------------------------------------------

@@ -132,15 +132,21 @@ def right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
 
 
 class _PrefixOutput(GroupRunner):
-    """The default runner, keeping Phase A's last hidden state `[1, P-1, d]`: a common prefix that reaches into the
-    responses has scored tokens whose predictions Phase A computes."""
+    """The default runner, keeping Phase A's last hidden state `[1, P-1, d]` (a common prefix that reaches into the
+    responses has scored tokens whose predictions Phase A computes). Given `fused`, the model's forward as TRL left
+    it, the waves run through it rather than through the module's call: Accelerate's mixed-precision wrapper around
+    that call may already be running (`_compat.forward_without_mixed_precision`)."""
 
-    def __init__(self):
+    def __init__(self, fused: Callable | None = None):
+        self.fused = fused
         self.hidden: torch.Tensor | None = None
 
     def forward(self, group, module, input_ids, position_ids, **kwargs):
+        prefix = isinstance(kwargs.get(PASS_KWARG), PrefixPass)
+        if self.fused is not None and not prefix:
+            return self.fused(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         out = super().forward(group, module, input_ids, position_ids, **kwargs)
-        if isinstance(kwargs.get(PASS_KWARG), PrefixPass):
+        if prefix:
             self.hidden = out[0]
         return out
 
@@ -240,7 +246,7 @@ class PairScorer:
             opened = []
             try:
                 for pair in shared:
-                    group, runner = self._open(session, model, input_ids[pair.rows[0], : pair.shared])
+                    group, runner = self._open(session, model, fused, input_ids[pair.rows[0], : pair.shared])
                     opened.append(group)
                     rows.update(self._pair_fields(group, runner, pair, fused, input_ids, labels, width, training))
             except BaseException as exc:
@@ -268,9 +274,9 @@ class PairScorer:
             return current, False  # e.g. the reference pass through the disabled PEFT adapter, mid-microbatch
         return GroupSession(model).start(), True
 
-    def _open(self, session: GroupSession, model: torch.nn.Module, prefix_ids: torch.Tensor):
+    def _open(self, session: GroupSession, model: torch.nn.Module, fused: Callable, prefix_ids: torch.Tensor):
         """Phase A of one pair's common prefix `[c]`; returns the open group and the runner holding its output."""
-        runner = _PrefixOutput()
+        runner = _PrefixOutput(fused)
         group = PrefixGroup(model, prefix_ids, runner=runner)
         with _inside_path():
             session.add(group)
@@ -485,7 +491,8 @@ class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
                 apply_prefixflow(model)
             except PrefixFlowError as error:
                 self._reason = f"model refused by apply_prefixflow: {error}"
-        fused = inner.forward
+        fused = inner.forward  # as a call would run it: Accelerate's mixed precision included if prepared already
+        raw = _compat.forward_without_mixed_precision(inner)
         scorer, trainer = self._scorer, self
 
         @functools.wraps(fused)
@@ -501,8 +508,11 @@ class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
             if reason is not None:
                 trainer._count_fallback(reason, kwargs["input_ids"].shape[0] if "input_ids" in kwargs else 0)
                 return fused(*args, **kwargs)
-            return scorer.score(inner, fused, kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"],
-                                lengths, pair_rows(kwargs["input_ids"].shape[0]))
+            # A fresh autocast for the pair path's own forwards (Phase A, waves, plain rows), the one the model's
+            # prepared call would enter, whether Accelerate prepared the model before this wrapper or around it.
+            with trainer.accelerator.autocast():
+                return scorer.score(inner, raw, kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"],
+                                    lengths, pair_rows(kwargs["input_ids"].shape[0]))
 
         inner.forward = forward
         inner._prefixflow_pairs = True
