@@ -118,7 +118,7 @@ def run_case(args, variant: str | None) -> list[dict]:
     reference_model, candidate_model = copy.deepcopy(model).to(torch.float64), copy.deepcopy(model)  # before TRL
     baseline = trainer(DPOTrainer, DPOConfig, model, tokenizer, dataset, args, bf16=True)       # adds its adapters
     candidate = trainer(PrefixFlowDPOTrainer, PrefixFlowDPOConfig, candidate_model, tokenizer, dataset, args,
-                        bf16=True, extra={"prefixflow_min_prefix_tokens": 2})
+                        bf16=True, extra={"prefixflow_min_prefix_tokens": 2, "prefixflow_min_speedup": 0.0})
     reference = trainer(DPOTrainer, DPOConfig, reference_model, tokenizer, dataset, args, bf16=False)
     batches = iter(baseline.get_train_dataloader())
     start = [p.detach().clone() for p in baseline.model.parameters()]
