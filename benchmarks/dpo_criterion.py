@@ -16,8 +16,10 @@ Pairs: prompts of uneven length, uneven chosen and rejected responses, some open
 reaches into the responses), `--pairs` pairs per microbatch. The reference model is a second copy of the initial
 weights, or the PEFT adapter disabled under `--lora` (LoRA on every linear layer; its B matrices start non-zero
 so the adapter's gradient reaches its A matrices at step 1). Broken variants (`--broken`, from `criterion.BROKEN`:
-`phase-c-skipped`, `drop-layer-gk`) run on the candidate and must fail. Rows go to `dpo_criterion.json` and `.md`
-in `--out` after each case; exits with 1 unless every correct row passes and every broken row fails.
+`phase-c-skipped`, `drop-layer-gk`) run on the candidate and must fail. A control row per case judges two valid
+bf16 computations of `DPOTrainer` (each pair alone against the whole microbatch) the same way: how far apart valid
+runs fall, deciding nothing. Rows go to `dpo_criterion.json` and `.md` in `--out` after each case; exits with 1
+unless every correct row passes and every broken row fails.
 """
 
 from __future__ import annotations
@@ -153,6 +155,38 @@ def run_case(args, variant: str | None) -> list[dict]:
     return rows
 
 
+def control_row(args) -> dict:
+    """Two valid bf16 computations of one step of DPOTrainer, judged like a candidate: the microbatch as each pair
+    alone (its gradient the mean over pairs, as TRL's loss is) against the whole microbatch. How far apart valid
+    runs fall under the criterion; decides nothing (`passed` None)."""
+    tokenizer = synthetic.make_tokenizer()
+    dataset = preference_pairs(args.pairs, args.prompt, args.response, args.seed)
+    model = build_model(tokenizer, args, torch.float32)
+    if args.lora:
+        model = with_lora(model)
+    reference_model = copy.deepcopy(model).to(torch.float64)
+    baseline = trainer(DPOTrainer, DPOConfig, model, tokenizer, dataset, args, bf16=True)
+    reference = trainer(DPOTrainer, DPOConfig, reference_model, tokenizer, dataset, args, bf16=False)
+    inputs = next(iter(baseline.get_train_dataloader()))
+    _, whole = step_gradients(baseline, inputs)
+    pairs = inputs["input_ids"].shape[0] // 2
+    split = {}
+    for i in range(pairs):
+        rows = torch.tensor([i, pairs + i])
+        part = {k: v[rows.to(v.device)] if torch.is_tensor(v) and v.shape[:1] == (2 * pairs,) else v
+                for k, v in inputs.items()}
+        for name, grad in step_gradients(baseline, part)[1].items():
+            if grad is not None:
+                split[name] = split.get(name, 0) + grad / pairs
+    with torch.autocast(args.device, enabled=False):
+        _, truth = step_gradients(reference, inputs)
+    row = {"case": ("LoRA" if args.lora else "full") + ", control: each pair alone vs the microbatch",
+           "variant": "control", "step": 1, "tokens": int(inputs["attention_mask"].sum()), "drifted_apart": 0.0,
+           "fallback_rows": 0, **criterion.judge(split, whole, truth)}
+    row["passed"] = None
+    return row
+
+
 def write(run: harness.RunFolder, args, rows: list[dict]) -> bool:
     good = all(criterion.as_expected(r, r["variant"] in criterion.BROKEN) for r in rows)
     lines = [f"Pairs of prompts up to {args.prompt} words and responses up to {args.response}, {args.pairs} per "
@@ -181,7 +215,7 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--response", type=int, default=None, help="longest response (default 256; --tiny 12)")
     parser.add_argument("--pairs", type=int, default=2, help="pairs per microbatch")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps, checked at the first and the last")
-    parser.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.3; --tiny 0.1)")
+    parser.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.03; --tiny 0.1)")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
@@ -189,29 +223,33 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--cases", default="full,lora", help="full, lora or full,lora")
     parser.add_argument("--broken", default=",".join(criterion.BROKEN[:2]),
                         help="broken variants run on the full case, each must fail")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="leave out the control rows (each pair alone vs the microbatch, stock bf16)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    for key, (gpu, cpu) in dict(prompt=(1536, 48), response=(256, 12), lr=(0.3, 0.1)).items():
+    for key, (gpu, cpu) in dict(prompt=(1536, 48), response=(256, 12), lr=(0.03, 0.1)).items():
         if getattr(args, key) is None:
             setattr(args, key, cpu if args.tiny else gpu)
     torch.set_float32_matmul_precision("highest")  # no TF32 in the reference
     run = harness.RunFolder("dpo_criterion", args.out, argv=argv, gpu=None if args.device == "cuda" else "cpu")
-    cases = [(case == "lora", None) for case in args.cases.split(",")]
+    cases = [(case == "lora", "control") for case in args.cases.split(",")] if args.control else []
+    cases += [(case == "lora", None) for case in args.cases.split(",")]
     cases += [(False, v) for v in args.broken.split(",") if v]
     rows, good = [], True
     for lora, variant in cases:
         args.lora = lora
         start = time.perf_counter()
         try:
-            case = run_case(args, variant)
+            case = [control_row(args)] if variant == "control" else run_case(args, variant)
         except Exception as exc:  # reported, not hidden
             case = [{"case": "LoRA" if lora else "full", "variant": variant or "correct", "passed": False,
                      "error": f"{type(exc).__name__}: {exc}"[:400]}]
         for row in case:
-            row.update(verdict=criterion.verdict(row["passed"], variant is not None, row.get("error")),
+            broken = variant not in (None, "control")
+            row.update(verdict=criterion.verdict(row["passed"], broken, row.get("error")),
                        seconds=round(time.perf_counter() - start, 1), **run.environment)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "ratios"}), flush=True)

@@ -211,15 +211,16 @@ def test_traced_step_finds_the_steps_largest_live_set():
 
 
 def test_dpo_criterion_passes_correct_steps_and_fails_a_broken_one(tmp_path):
-    """The DPO bf16 criterion on the CPU (bf16 autocast, fp64 reference): a correct step passes at the first and
-    the last check, Phase C skipped fails."""
+    """The DPO bf16 criterion on the CPU (bf16 autocast, fp64 reference): the control row decides nothing, a
+    correct step passes at the first and the last check, Phase C skipped fails."""
     import dpo_criterion
 
     good = dpo_criterion.main(["--tiny", "--cases", "full", "--broken", "phase-c-skipped", "--steps", "2",
                                "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "dpo_criterion.json").read_text())
     assert good and [(r["variant"], r["step"], r["passed"]) for r in rows] == [
-        ("correct", 1, True), ("correct", 2, True), ("phase-c-skipped", 1, False), ("phase-c-skipped", 2, False)]
+        ("control", 1, None), ("correct", 1, True), ("correct", 2, True), ("phase-c-skipped", 1, False),
+        ("phase-c-skipped", 2, False)]
     assert all(r["fallback_rows"] == 0 for r in rows)
 
 
