@@ -140,6 +140,12 @@ def format_ratio(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.3f}" if x < 100 else f"{x:.3g}"
 
 
+def judged_cells(row: dict) -> list[str]:
+    """A judged row's table cells: worst ratio (parameter), median ratio, median errors baseline / candidate."""
+    return [f"{format_ratio(row['worst_ratio'])} (`{row['worst_param']}`)", format_ratio(row["median_ratio"]),
+            f"{row['median_err']['baseline']:.2e} / {row['median_err']['candidate']:.2e}"]
+
+
 class _OwnStatistics(torch.autograd.Function):
     """`split_attention` whose backward runs each part's kernel with the part's own output and log-sum-exp: the
     scores then get each part's own softmax, not the merged one (the forward is the library's)."""

@@ -197,13 +197,10 @@ def write(run: harness.RunFolder, args, rows: list[dict]) -> bool:
              "| case | step | tokens | worst ratio (parameter) | median ratio | median rel err baseline / PrefixFlow "
              "| drifted apart | fallback rows | verdict |", "| --- " * 9 + "|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | - | - | {r['error'][:100]} | - | - | - | - | {r['verdict']} |")
-            continue
-        lines.append(f"| {r['case']} | {r['step']} | {r['tokens']} | {criterion.format_ratio(r['worst_ratio'])} "
-                     f"(`{r['worst_param']}`) | {r['median_ratio']:.3f} | {r['median_err']['baseline']:.2e} / "
-                     f"{r['median_err']['candidate']:.2e} | {r['drifted_apart']:.3f} | {r['fallback_rows']} | "
-                     f"{r['verdict']} |")
+        cells = ([r["case"], "-", "-", r["error"][:100], "-", "-", "-", "-"] if "error" in r else
+                 [r["case"], str(r["step"]), str(r["tokens"]), *criterion.judged_cells(r), f"{r['drifted_apart']:.3f}",
+                  str(r["fallback_rows"])])
+        lines.append("| " + " | ".join(cells + [r["verdict"]]) + " |")
     lines += ["", f"Every correct row passes and every broken row fails: {'yes' if good else 'NO'}"]
     run.write(rows, lines, title=f"DPO bf16 equivalence on {run.environment['gpu']}")
     return good
