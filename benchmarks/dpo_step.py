@@ -51,7 +51,7 @@ import synthetic  # noqa: E402 - a local word-level tokenizer
 from step_timing import StepTimer  # noqa: E402
 
 import harness  # noqa: E402 - benchmarks/harness.py
-from trainer_step import profile_markdown, profiled_step, release  # noqa: E402 - benchmarks/trainer_step.py
+from trainer_step import compile_layers, profile_markdown, profiled_step, release  # noqa: E402 - benchmarks/trainer_step.py
 
 TRAINERS = {"stock": (DPOTrainer, DPOConfig), "prefixflow": (PrefixFlowDPOTrainer, PrefixFlowDPOConfig)}
 
@@ -95,12 +95,17 @@ def make_trainer(name: str, prompt: int, response: int, args, steps: int):
     options = dict(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=args.batch,
                    max_length=None, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
                    learning_rate=1e-6, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
-    config = (config_class if name == "prefixflow" else DPOConfig)(**{**options, **args.config})
+    own = args.prefixflow_config if name == "prefixflow" else {}
+    config = (config_class if name == "prefixflow" else DPOConfig)(**{**options, **args.config, **own})
     model = build(args, tokenizer)
     ref_model = None if args.lora else build(args, tokenizer)  # a random model has no checkpoint to reload
     trainer = trainer_class(model=model, ref_model=ref_model, args=config, processing_class=tokenizer,
                             train_dataset=pairs(args.batch * steps, prompt, response))
     trainer.remove_callback(PrinterCallback)
+    if name == "stock" and args.stock_compile_layers:
+        for compiled in (trainer.model, trainer.ref_model):
+            if compiled is not None:
+                compile_layers(compiled)
     return trainer
 
 
@@ -152,7 +157,8 @@ def measure(prompt: int, response: int, args, environment: dict) -> dict:
     if stock or pf:
         rows = [response] * 2
         row["flop_ratio"] = round(shape.full_sequence(prompt, rows) / shape.prefixflow(prompt, rows), 3)
-    row.update(config=args.config, warmup=args.warmup, timed_steps=args.steps, **environment)
+    row.update(config=args.config, prefixflow_config=args.prefixflow_config,
+               stock_compile_layers=args.stock_compile_layers, warmup=args.warmup, timed_steps=args.steps, **environment)
     return row
 
 
@@ -227,6 +233,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--config", default="", type=harness.options, help="KEY=VALUE,... DPOConfig fields for both")
+    parser.add_argument("--prefixflow-config", default="", type=harness.options,
+                        help="KEY=VALUE,... PrefixFlowDPOConfig fields for the PrefixFlow trainer only, e.g. "
+                             "torch_compile=true (each decoder layer compiled)")
+    parser.add_argument("--stock-compile-layers", action="store_true",
+                        help="compile each decoder layer of DPOTrainer's models (the like-for-like baseline of "
+                             "--prefixflow-config torch_compile=true; TRL's torch_compile compiles the whole model)")
     parser.add_argument("--order", default="stock,prefixflow",
                         choices=("stock,prefixflow", "prefixflow,stock", "stock", "prefixflow"),
                         help="the trainers this process runs, first to last (one alone: a clean peak)")

@@ -21,7 +21,8 @@ from trl import DPOConfig, DPOTrainer
 
 import grpo_setup as setup
 from equivalence import assert_rel_close
-from hf_prefixflow import PrefixFlowDPOConfig, PrefixFlowDPOTrainer
+from hf_prefixflow import PrefixFlowDPOConfig, PrefixFlowDPOTrainer, _compat
+from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import PrefixGroup
 from hf_prefixflow.trainers import dpo as pf_dpo
 
@@ -338,6 +339,28 @@ def test_mixed_precision_leaves_autocast_as_it_found_it(one_thread, tmp_path, mo
         assert torch.is_autocast_enabled("cpu")
     finally:
         torch.set_autocast_enabled("cpu", False)
+
+
+def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_path, caplog):
+    """`torch_compile=True`: DPOTrainer compiles the whole model (Accelerate); the swap compiles each decoder layer of
+    the policy and the reference in place instead (10 layers: past dynamo's recompile limit, were any layer its own
+    graph), still shares its pairs, and trains as the stock trainer does. Were Accelerate's whole-model compile left
+    on, every pair would take the plain path (`prefixflow/groups` 0)."""
+    base = setup.make_model(dtype=torch.float64, num_hidden_layers=10)
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    # The trainer raises the process-wide recompile limit; the patch puts torch's back as it exits.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8), \
+            caplog.at_level("INFO", logger="hf_prefixflow.trainers"):
+        stock = train(build(DPOTrainer, base, tmp_path, **compiled))
+        trainer = build(PrefixFlowDPOTrainer, base, tmp_path, **compiled)
+        assert all(_compat.is_compiled(layer) for model in (trainer.model, trainer.ref_model)
+                   for layer in decoder_layers(model))
+        pf = train(trainer)
+    torch._dynamo.reset()
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/groups") > 0 and metric(pf[3], "prefixflow/scoring_groups") > 0
+    assert caplog.text.count("compiles each of the 10 decoder layers") == 2
 
 
 # -- the plain path ------------------------------------------------------------------------------------------------

@@ -553,7 +553,7 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
     monkeypatch.setattr(setup, "freeze_rollouts", freeze)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-            caplog.at_level("INFO", logger=pf_mixin.__name__):
+            caplog.at_level("INFO", logger="hf_prefixflow.trainers"):
         stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
                          torch_compile=True, torch_compile_backend="aot_eager", config_cls=PrefixFlowGRPOConfig,
                          prefixflow_offload=True)  # the prefix layers then recomputed by PrefixFlow, compiled

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from hf_prefixflow.apply import apply_prefixflow
 from hf_prefixflow.core.access import unwrap
 from hf_prefixflow.core.scheduler import GroupRunner, GroupSession, PrefixGroup, _sessions
 
+from . import compiling
 from .engine_rule import DATA_PARALLEL
 
 logger = logging.getLogger(__name__)
@@ -397,6 +399,21 @@ class PairTrainerMixin:
     path in that log line; the trainer sets `_scorer` and `_fallbacks`."""
 
     _plain_path = "plain"
+    # torch_compile: each decoder layer compiled in place, pairs shared; False: Accelerate's whole-model compile and
+    # every pair on the plain path (the trainer's own generation would run through the compiled layers).
+    _compiles_layers = True
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        options = super()._build_accelerator_args(**kwargs)
+        # Under ZeRO or FSDP every pair takes the plain path: Accelerate compiles as it would for the stock trainer.
+        self._layerwise = bool(self.args.torch_compile and self._compiles_layers and not _shards(options))
+        return compiling.layerwise_accelerator_args(options) if self._layerwise else options
+
+    def _compile_layers(self, *models: torch.nn.Module | None) -> None:
+        """With `torch_compile` (layer by layer), compile the decoder layers of `models` (None: skipped)."""
+        if self._layerwise:
+            compiling.compile_decoder_layers([m for m in models if m is not None], self.args.torch_compile_backend,
+                                             self.args.torch_compile_mode)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return pair_training_step(self, super().training_step, model, inputs, num_items_in_batch)
@@ -407,7 +424,7 @@ class PairTrainerMixin:
 
     def _setting_reason(self) -> str | None:
         """Why the trainer's settings send every pair to the plain path (the same for every pair trainer), if so."""
-        if self.args.torch_compile:
+        if self.args.torch_compile and not self._layerwise:
             return "torch_compile (the whole model compiled as one module)"
         if getattr(self.args, "activation_offloading", False):
             return "activation_offloading (TRL's saved-tensor hooks)"
@@ -458,6 +475,7 @@ class PrefixFlowDPOTrainer(PairTrainerMixin, DPOTrainer):
         self._route(self.model)
         if self.ref_model is not None:
             self._route(self.ref_model)
+        self._compile_layers(self.model, self.ref_model)
         if self._reason is not None:
             logger.warning("PrefixFlow: every batch of this run takes the plain DPO path (%s).", self._reason)
 
@@ -557,6 +575,14 @@ def pair_training_step(trainer, step: Callable, model: torch.nn.Module, inputs: 
     if sharing and trainer.accelerator.sync_gradients:
         data_parallel.all_reduce_gradients(model)
     return loss
+
+
+def _shards(options: dict) -> bool:
+    """Whether the Accelerator built from `options` (`Trainer._build_accelerator_args`) runs ZeRO or FSDP, from its
+    plugins or from `accelerate launch`'s environment, as `Accelerator` reads them."""
+    launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("true", "1")
+                   for name in ("DEEPSPEED", "FSDP"))
+    return launched or options.get("deepspeed_plugin") is not None or options.get("fsdp_plugin") is not None
 
 
 def _call_reason(kwargs: dict) -> str | None:

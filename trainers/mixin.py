@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import TorchDynamoPlugin
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from hf_prefixflow import _compat
@@ -54,7 +53,7 @@ from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, ho
 from hf_prefixflow.core.states import has_states
 from hf_prefixflow.core.waves import AutoWaves
 
-from . import engine_rule, multimodal, processing, routing, sequence_parallel
+from . import compiling, engine_rule, multimodal, processing, routing, sequence_parallel
 from .config import PrefixFlowArguments, kv_grad_dtype, merge_limit, suffix_policy, wave_size
 from .grouping import BatchGroup, BatchIndex, check_geometry, index_batch, shuffle_groups
 from .window import OpenWindow
@@ -161,30 +160,15 @@ class PrefixFlowTrainerMixin:
                                   "router logits are per rank); " + _WHOLE_GROUPS)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
-        # torch_compile: Accelerate would wrap the whole model in one compiled module, which PrefixFlow's phases
-        # cannot run through; `_compile_layers` compiles each decoder layer in place instead.
         options = super()._build_accelerator_args(**kwargs)
-        if self.args.torch_compile:
-            options["dynamo_plugin"] = TorchDynamoPlugin(backend="no")
-        return options
+        return compiling.layerwise_accelerator_args(options) if self.args.torch_compile else options
 
     def _compile_layers(self) -> None:
         if not self._engine.compiles:
             raise PrefixFlowError(f"torch_compile with DeepSpeed or FSDP is not supported by {type(self).__name__} "
                                   "(untested with their hooks); turn torch_compile off, or train with DDP.")
-        for model in (m for m in (self.model, self.ref_model) if m is not None):
-            layers = decoder_layers(model)
-            if not layers:
-                raise PrefixFlowError("torch_compile: PrefixFlow compiles a model's decoder layers (transformers' "
-                                      f"GradientCheckpointingLayer), and {type(model).__name__} has none.")
-            for layer in layers:
-                layer.compile(backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
-            logger.info("PrefixFlow: torch_compile compiles each of the %d decoder layers in place, not the whole "
-                        "model.", len(layers))
-        previous = _compat.raise_recompile_limit(RECOMPILE_LIMIT)
-        if previous is not None:
-            logger.info("PrefixFlow: torch_compile raises torch._dynamo.config.recompile_limit from %d to %d (the "
-                        "phases' variants of a layer's graph).", previous, RECOMPILE_LIMIT)
+        compiling.compile_decoder_layers([m for m in (self.model, self.ref_model) if m is not None],
+                                         self.args.torch_compile_backend, self.args.torch_compile_mode)
 
     def _kv_grad_dtype(self) -> torch.dtype | None:
         if self.prefixflow_kv_grad_dtype is None:

@@ -69,6 +69,7 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
     TRL's loss code runs unchanged on the per-token log-probs."""
 
     _plain_path = "plain Online DPO"
+    _compiles_layers = False  # its generation would run through compiled layers
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

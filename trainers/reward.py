@@ -224,6 +224,7 @@ class PrefixFlowRewardTrainer(PairTrainerMixin, RewardTrainer):
         if self._reason is not None:
             logger.warning("PrefixFlow: every batch of this run takes the plain reward path (%s).", self._reason)
         self._route(inner)
+        self._compile_layers(self.model)
 
     def _whole_run_reason(self) -> str | None:
         """Why no batch of this run can share its pairs exactly, if so."""
