@@ -112,6 +112,19 @@ def test_training_matches_stock(one_thread, tmp_path, case):
     assert metric(pf[3], "prefixflow/groups") > 0 and metric(pf[3], "prefixflow/fallback_rows") > 0
 
 
+def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_path, caplog):
+    """`torch_compile=True`: the swap compiles each decoder layer in place (Accelerate's whole-model compile would send
+    every pair to the plain path) and trains as RewardTrainer does with the whole model compiled."""
+    torch._dynamo.reset()
+    # The trainer raises the process-wide recompile limit; the patch puts torch's back as it exits.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8), \
+            caplog.at_level("INFO", logger="hf_prefixflow.trainers"):
+        stock, pf = both(make_model(), tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    assert_aligned(stock, pf)
+    assert metric(pf[3], "prefixflow/groups") > 0 and "compiles each of the 2 decoder layers" in caplog.text
+
+
 def test_lora(one_thread, tmp_path):
     """LoRA on the decoder, the score head trained as PEFT's modules_to_save copy."""
     lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],

@@ -14,6 +14,7 @@ from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 import grpo_setup as setup
+from hf_prefixflow.core.attention import RECOMPILE_LIMIT
 from hf_prefixflow import PrefixFlowError, PrefixFlowGRPOConfig, PrefixFlowGRPOTrainer, apply_prefixflow
 from hf_prefixflow.core import offload, scheduler
 from hf_prefixflow.trainers import engine_rule
@@ -557,7 +558,7 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
         stock, pf = both(tmp_path, model_factory=lambda: setup.make_model(num_hidden_layers=10), steps=2,
                          torch_compile=True, torch_compile_backend="aot_eager", config_cls=PrefixFlowGRPOConfig,
                          prefixflow_offload=True)  # the prefix layers then recomputed by PrefixFlow, compiled
-        assert torch._dynamo.config.recompile_limit == pf_mixin.RECOMPILE_LIMIT  # undone as the patch exits
+        assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT  # undone as the patch exits
     torch._dynamo.reset()
     assert_aligned(stock, pf)
     assert "compiles each of the 10 decoder layers" in caplog.text and "raises torch._dynamo" in caplog.text

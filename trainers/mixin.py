@@ -38,7 +38,6 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 from hf_prefixflow import _compat
 from hf_prefixflow.core import moe
 from hf_prefixflow.planning import defaults
-from hf_prefixflow.core.attention import RECOMPILE_LIMIT
 from hf_prefixflow.distributed import placement
 from hf_prefixflow.planning.flops import PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.core.layouts import padded_segments
@@ -48,7 +47,6 @@ from hf_prefixflow.core.access import config_of, unwrap
 from hf_prefixflow.core.offload import available_host_bytes
 from hf_prefixflow.planning.planner import (TokenBytes, keeps_suffix_activations, offload_for, run_need, static_bytes,
                                    token_bytes)
-from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import STATES_ON_ONE_PROCESS, GroupSession, host_pool
 from hf_prefixflow.core.states import has_states
 from hf_prefixflow.core.waves import AutoWaves
