@@ -363,6 +363,21 @@ def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_pa
     assert caplog.text.count("compiles each of the 10 decoder layers") == 2
 
 
+def test_pair_waves_attend_over_the_concatenated_cache(one_thread, base, tmp_path, monkeypatch):
+    """A pair's two-row wave attends in one kernel over the concatenated K/V (one bf16 rounding of the output and of
+    dQ, where the split kernels round twice: `benchmarks/dpo_criterion.py`); the split attention runs for no wave."""
+    from hf_prefixflow.core import split_attention
+
+    calls = []
+    split = split_attention.split_attention
+    monkeypatch.setattr(split_attention, "split_attention", lambda *args: calls.append(1) or split(*args))
+    pf = train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
+    assert metric(pf[3], "prefixflow/groups") > 0 and not calls
+    monkeypatch.setattr(pf_dpo.PairScorer, "concatenated_attention", False)  # the count works: split waves
+    train(build(PrefixFlowDPOTrainer, base, tmp_path, max_steps=1))
+    assert calls
+
+
 # -- the plain path ------------------------------------------------------------------------------------------------
 
 

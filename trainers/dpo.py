@@ -168,6 +168,11 @@ class PairScorer:
         log_groups: `log_groups(pairs, training, seconds)`, called after a batch's shared pairs ran.
     """
 
+    # A pair's wave is two short rows: one attention kernel over the concatenated K/V rounds its output and dQ to
+    # bf16 once, where the split kernels round twice, which LoRA's A matrices showed in the bf16 criterion
+    # (docs/dpo.md); the per-wave copy of the prompt's K/V is small beside the pair's Phase A.
+    concatenated_attention = True
+
     def __init__(self, shape: ModelShape, min_prefix_tokens: int, min_speedup: float, floor_tokens: int,
                  count_fallback: Callable[[str, int], None], log_groups: Callable[[list[Pair], bool, float], None]):
         self.shape = shape
@@ -280,6 +285,7 @@ class PairScorer:
         """Phase A of one pair's common prefix `[c]`; returns the open group and the runner holding its output."""
         runner = _PrefixOutput(fused)
         group = PrefixGroup(model, prefix_ids, runner=runner)
+        group.concatenated_attention = self.concatenated_attention
         with _inside_path():
             session.add(group)
         return group, runner

@@ -202,6 +202,7 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
                 i, j = pair.rows
                 # At the stock path's positions: the prompt's first real token sits after the left padding.
                 group = PrefixGroup(model, prompt_ids[i, width - pair.shared:], position_offset=width - pair.shared)
+                group.concatenated_attention = scorer.concatenated_attention
                 with _inside_path():
                     session.add(group)
                 opened.append(group)

@@ -175,6 +175,7 @@ class RewardPairScorer(PairScorer):
         from hf_prefixflow.core.scheduler import PrefixGroup
 
         group = PrefixGroup(view, prefix_ids, runner=runner)
+        group.concatenated_attention = self.concatenated_attention
         with _inside_path():
             session.add(group)
         return group

@@ -93,10 +93,14 @@ class SuffixPass:
     Attributes:
         cache: the group's cache, read through `cache.leaves(layer_idx)`.
         wave: the wave being run; its geometry gives the visibility.
+        concatenated: attend over `[prefix ; suffix]` K/V concatenated per wave, in one kernel, instead of the split
+            attention's two kernels merged by log-sum-exp: one bf16 rounding of the output and of dQ instead of two,
+            for a copy of the cache per layer and wave (pair trainers' two-row waves; `docs/dpo.md`).
     """
 
     cache: TrainingKVCache
     wave: Wave
+    concatenated: bool = False
 
 
 def wrapped_name(base: str) -> str:
@@ -268,8 +272,8 @@ def _suffix_attention(module, query, key, value, marker: SuffixPass, base: str, 
     window = layer_window(module, kwargs)
     chunk = chunk_size(module)
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    if cached and plain and base == "sdpa" and marker.wave.is_plain_causal and chunk is None \
-            and (window is None or window >= cache.prefix_length + key.shape[2]):
+    split = plain and not marker.concatenated and base == "sdpa" and marker.wave.is_plain_causal and chunk is None
+    if cached and split and (window is None or window >= cache.prefix_length + key.shape[2]):
         query, key, value = _autocast_inputs(query, key, value)
         kernel = split_attention.kernel_for(query, key, value)
         if kernel is not None:  # the cache read in place, no per-wave concatenation (see split_attention.py)

@@ -130,6 +130,8 @@ class PrefixGroup:
         cache: the group's `TrainingKVCache`, `prefix_length = P - 1`.
         suffix_checkpointing: None follows the model's `PrefixFlowConfig.suffix_checkpointing`; a bool overrides it
             for this group's waves.
+        concatenated_attention: the waves attend over a per-wave copy of `[prefix ; suffix]` K/V in one kernel
+            (False: the split attention, which reads the cache in place).
 
     Raises:
         PrefixFlowError: the model was not switched by `apply_prefixflow`; `prefix_ids` is not an integer tensor of
@@ -160,6 +162,8 @@ class PrefixGroup:
         self.trains = False
         # Per group, overriding the model's `suffix_checkpointing` (None: follow it); a trainer may set it per run.
         self.suffix_checkpointing: bool | None = None
+        # Waves attend over the concatenated prefix and suffix K/V instead of the split kernels (see `SuffixPass`).
+        self.concatenated_attention = False
         self.offload: PrefixOffload | None = None
         self.attention_replay: AttentionReplay | None = None
 
@@ -326,7 +330,7 @@ class PrefixGroup:
             raise PrefixFlowError(f"{sorted(clash)} are set by the prefix group; do not pass them to a wave.")
         if wave.routes is not None:
             model_kwargs[ROUTES_KWARG] = wave.routes
-        marker = {PASS_KWARG: SuffixPass(self.cache, wave)}
+        marker = {PASS_KWARG: SuffixPass(self.cache, wave, self.concatenated_attention)}
         checkpointed = self.suffix_checkpointing
         keep = not (config_of(self._inner).suffix_checkpointing if checkpointed is None else checkpointed)
         self.cache.state_reads.clear()
