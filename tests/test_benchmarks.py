@@ -126,7 +126,8 @@ def test_dpo_step_runs_the_trainers_of_its_order(monkeypatch):
                 "fallback_pairs": 0, "losses": [0.69], "shape": shape}
 
     monkeypatch.setattr(dpo_step, "run", run)
-    args = argparse.Namespace(tiny=True, lora=False, batch=1, config={}, warmup=1, steps=1, order="prefixflow,stock")
+    args = argparse.Namespace(tiny=True, lora=False, batch=1, config={}, prefixflow_config={},
+                              stock_compile_layers=False, warmup=1, steps=1, order="prefixflow,stock")
     row = dpo_step.measure(16, 4, args, {})
     assert ran == ["prefixflow", "stock"] and row["speedup"] == 1.0 and row["stock_resident_before_gib"] == 0.5
     ran.clear()
