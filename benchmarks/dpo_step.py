@@ -25,6 +25,8 @@ pass inside `forward_and_loss`, and PrefixFlow's `phase_a` counts the policy's p
 `--frontier-cap-gib C` caps the process at C GiB of device memory and runs one step of each trainer at each split
 in increasing prompt length until one runs out of memory: `dpo_frontier.json` and `.md` name each trainer's longest
 prompt that trained and their ratio (the frontier ratio; the next split bounds it from above).
+`--prefixflow-config torch_compile=true` compiles each decoder layer on the PrefixFlow side (the trainer's own
+`torch_compile`), and `--stock-compile-layers` does the same to DPOTrainer's models: compiled against compiled.
 """
 
 from __future__ import annotations
