@@ -347,7 +347,7 @@ def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_pa
     graph), still shares its pairs, and trains as the stock trainer does. Were Accelerate's whole-model compile left
     on, every pair would take the plain path (`prefixflow/groups` 0)."""
     base = setup.make_model(dtype=torch.float64, num_hidden_layers=10)
-    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager")
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=1)
     torch._dynamo.reset()
     # The trainer raises the process-wide recompile limit; the patch puts torch's back as it exits.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8), \
