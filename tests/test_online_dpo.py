@@ -262,6 +262,29 @@ def test_broken_variants_fail(base, tmp_path, monkeypatch, broken):
         assert "metric objective/" in str(caught.value)
 
 
+def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog):
+    """`torch_compile=True`: OnlineDPOTrainer compiles the whole model (Accelerate); the swap compiles each decoder
+    layer of the policy and the reference in place (10 layers: past dynamo's recompile limit, were any layer its own
+    graph), generates eagerly, shares its pairs and trains as the stock trainer does."""
+    base = setup.make_model(dtype=torch.float64, num_hidden_layers=10)
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=1)
+    stances = []
+    torch._dynamo.reset()
+    # The trainer raises the process-wide recompile limit; the patch puts torch's back as it exits.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8), \
+            caplog.at_level("INFO", logger="hf_prefixflow.trainers"):
+        stock = train(build(OnlineDPOTrainer, base, tmp_path, **compiled))
+        trainer = build(PrefixFlowOnlineDPOTrainer, base, tmp_path, **compiled)
+        frozen = trainer.__dict__.pop("_generate")  # frozen one level down: the trainer's own `_generate` runs
+        monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, *args: (
+            stances.append(torch._dynamo.eval_frame._stance.stance), frozen(*args))[1])
+        pf = train(trainer)
+    torch._dynamo.reset()
+    assert_aligned(stock, pf)
+    assert metric(pf[-1], "prefixflow/groups") > 0 and stances and set(stances) == {"force_eager"}
+    assert caplog.text.count("compiles each of the 10 decoder layers") == 2
+
+
 def test_fallback_reasons(base, tmp_path):
     """Runs the groups cannot make exact train on the stock path; nothing is refused."""
     trainer = build(PrefixFlowOnlineDPOTrainer, base, tmp_path, gradient_checkpointing=True,

@@ -405,14 +405,12 @@ class PairTrainerMixin:
     path in that log line; the trainer sets `_scorer` and `_fallbacks`."""
 
     _plain_path = "plain"
-    # torch_compile: each decoder layer compiled in place, pairs shared; False: Accelerate's whole-model compile and
-    # every pair on the plain path (the trainer's own generation would run through the compiled layers).
-    _compiles_layers = True
 
     def _build_accelerator_args(self, **kwargs) -> dict:
+        # torch_compile: each decoder layer compiled in place (`_compile_layers`) and pairs shared. Under ZeRO or FSDP
+        # every pair takes the plain path, and Accelerate compiles as it would for the stock trainer.
         options = super()._build_accelerator_args(**kwargs)
-        # Under ZeRO or FSDP every pair takes the plain path: Accelerate compiles as it would for the stock trainer.
-        self._layerwise = bool(self.args.torch_compile and self._compiles_layers and not _shards(options))
+        self._layerwise = bool(self.args.torch_compile and not _shards(options))
         return compiling.layerwise_accelerator_args(options) if self._layerwise else options
 
     def _compile_layers(self, *models: torch.nn.Module | None) -> None:

@@ -11,12 +11,13 @@ the microbatch's backward is done. The reference pass runs its prompts as no-gra
 
 Pairs whose prompt is short (`prefixflow_min_prefix_tokens`) or whose FLOP bound is below `prefixflow_min_speedup`,
 and whole runs or calls the groups cannot make exact (image prompts, encoder-decoder models, ZeRO, FSDP, prompt-
-learning PEFT, `torch_compile`, models `apply_prefixflow` refuses, ...), take the plain path: logged once per reason
+learning PEFT, models `apply_prefixflow` refuses, ...), take the plain path: logged once per reason
 and counted in `prefixflow/fallback_rows`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
@@ -69,7 +70,6 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
     TRL's loss code runs unchanged on the per-token log-probs."""
 
     _plain_path = "plain Online DPO"
-    _compiles_layers = False  # its generation would run through compiled layers
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,6 +89,7 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
         floor = PASS_FLOOR_TOKENS if self.accelerator.device.type == "cuda" else 0
         self._scorer = PairScorer(shape, self.prefixflow_min_prefix_tokens, self.prefixflow_min_speedup, floor,
                                   self._count_fallback, self._log_groups)
+        self._compile_layers(self.model, self.ref_model)
         if self._reason is not None:
             logger.warning("PrefixFlow: every batch of this run takes the plain Online DPO path (%s).", self._reason)
 
@@ -112,6 +113,13 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
         return None
 
     # -- the stock entry points ------------------------------------------------------------------------------
+
+    def _generate(self, *args, **kwargs):
+        # The compiled layers are for training: generation's cache, read by layer index, would make each layer a
+        # graph of its own and use up dynamo's recompile limit (as in the group trainers' generation).
+        eager = torch.compiler.set_stance("force_eager") if self._layerwise else contextlib.nullcontext()
+        with eager:
+            return super()._generate(*args, **kwargs)
 
     def _forward(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         """The completions' per-token log-probs `[2B, C]` as TRL's `_forward` computes them, each pair's prompt run
