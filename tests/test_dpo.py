@@ -363,6 +363,17 @@ def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_pa
     assert caplog.text.count("compiles each of the 10 decoder layers") == 2
 
 
+def test_zero_and_fsdp_keep_accelerate_s_compile(monkeypatch):
+    """Under ZeRO or FSDP (a plugin, or `accelerate launch`'s environment) every pair takes the plain path, so
+    `torch_compile` stays Accelerate's whole-model compile, as for the stock trainer."""
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not pf_dpo._shards({"deepspeed_plugin": None, "fsdp_plugin": None})
+    assert pf_dpo._shards({"deepspeed_plugin": object()}) and pf_dpo._shards({"fsdp_plugin": object()})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert pf_dpo._shards({})
+
+
 def test_pair_waves_attend_over_the_concatenated_cache(one_thread, base, tmp_path, monkeypatch):
     """A pair's two-row wave attends in one kernel over the concatenated K/V (one bf16 rounding of the output and of
     dQ, where the split kernels round twice: `benchmarks/dpo_criterion.py`); the split attention runs for no wave."""
