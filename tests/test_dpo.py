@@ -364,13 +364,15 @@ def test_torch_compile_compiles_each_decoder_layer_and_shares(one_thread, tmp_pa
 
 
 def test_zero_and_fsdp_keep_accelerate_s_compile(monkeypatch):
-    """Under ZeRO or FSDP (a plugin, or `accelerate launch`'s environment) every pair takes the plain path, so
+    """Under ZeRO, FSDP or a parallelism config (a plugin, or `accelerate launch`'s environment) every pair takes the
+    plain path, so
     `torch_compile` stays Accelerate's whole-model compile, as for the stock trainer."""
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert not pf_dpo._shards({"deepspeed_plugin": None, "fsdp_plugin": None})
     assert pf_dpo._shards({"deepspeed_plugin": object()}) and pf_dpo._shards({"fsdp_plugin": object()})
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert pf_dpo._shards({"parallelism_config": object()})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "yes")  # any value Accelerate reads as on
     assert pf_dpo._shards({})
 
 

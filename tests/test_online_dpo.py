@@ -265,9 +265,14 @@ def test_broken_variants_fail(base, tmp_path, monkeypatch, broken):
 def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_path, monkeypatch, caplog):
     """`torch_compile=True`: OnlineDPOTrainer compiles the whole model (Accelerate); the swap compiles each decoder
     layer of the policy and the reference in place (10 layers: past dynamo's recompile limit, were any layer its own
-    graph), generates eagerly, shares its pairs and trains as the stock trainer does."""
+    graph), the reward model whole as Accelerate does, generates eagerly, shares its pairs and trains as the stock
+    trainer does."""
     base = setup.make_model(dtype=torch.float64, num_hidden_layers=10)
-    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=1)
+    torch.manual_seed(1)
+    config = setup.make_model(num_hidden_layers=2).config
+    reward = Qwen3ForSequenceClassification(config.__class__(**{**config.to_dict(), "num_labels": 1})).to(torch.float64)
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", max_steps=1, reward=reward,
+                    gradient_checkpointing=False)
     stances = []
     torch._dynamo.reset()
     # The trainer raises the process-wide recompile limit; the patch puts torch's back as it exits.
@@ -275,6 +280,7 @@ def test_torch_compile_compiles_each_decoder_layer_and_generates_eagerly(tmp_pat
             caplog.at_level("INFO", logger="hf_prefixflow.trainers"):
         stock = train(build(OnlineDPOTrainer, base, tmp_path, **compiled))
         trainer = build(PrefixFlowOnlineDPOTrainer, base, tmp_path, **compiled)
+        assert isinstance(trainer.reward_funcs[0], torch._dynamo.eval_frame.OptimizedModule)
         frozen = trainer.__dict__.pop("_generate")  # frozen one level down: the trainer's own `_generate` runs
         monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, *args: (
             stances.append(torch._dynamo.eval_frame._stance.stance), frozen(*args))[1])

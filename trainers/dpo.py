@@ -22,13 +22,13 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from accelerate.utils import parse_flag_from_env
 from trl import DPOConfig, DPOTrainer
 
 try:
@@ -43,6 +43,7 @@ from hf_prefixflow.errors import PrefixFlowError
 from hf_prefixflow.planning.flops import MIN_SPEEDUP, PASS_FLOOR_TOKENS, ModelShape
 from hf_prefixflow.apply import apply_prefixflow
 from hf_prefixflow.core.access import unwrap
+from hf_prefixflow.core.recompute import decoder_layers
 from hf_prefixflow.core.scheduler import GroupRunner, GroupSession, PrefixGroup, _sessions
 
 from . import compiling
@@ -409,8 +410,9 @@ class PairTrainerMixin:
     def _build_accelerator_args(self, **kwargs) -> dict:
         # torch_compile: each decoder layer compiled in place (`_compile_layers`) and pairs shared. Under ZeRO or FSDP
         # every pair takes the plain path, and Accelerate compiles as it would for the stock trainer.
+        # A model without decoder layers keeps Accelerate's compile too (its pairs take the plain path there).
         options = super()._build_accelerator_args(**kwargs)
-        self._layerwise = bool(self.args.torch_compile and not _shards(options))
+        self._layerwise = bool(self.args.torch_compile and not _shards(options) and decoder_layers(self.model))
         return compiling.layerwise_accelerator_args(options) if self._layerwise else options
 
     def _compile_layers(self, *models: torch.nn.Module | None) -> None:
@@ -582,11 +584,11 @@ def pair_training_step(trainer, step: Callable, model: torch.nn.Module, inputs: 
 
 
 def _shards(options: dict) -> bool:
-    """Whether the Accelerator built from `options` (`Trainer._build_accelerator_args`) runs ZeRO or FSDP, from its
-    plugins or from `accelerate launch`'s environment, as `Accelerator` reads them."""
-    launched = any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("true", "1")
-                   for name in ("DEEPSPEED", "FSDP"))
-    return launched or options.get("deepspeed_plugin") is not None or options.get("fsdp_plugin") is not None
+    """Whether the Accelerator built from `options` (`Trainer._build_accelerator_args`) runs ZeRO, FSDP or a
+    parallelism config, from its plugins or from `accelerate launch`'s environment, as `Accelerator` reads them."""
+    launched = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or parse_flag_from_env("ACCELERATE_USE_FSDP")
+    return launched or any(options.get(key) is not None
+                           for key in ("deepspeed_plugin", "fsdp_plugin", "parallelism_config"))
 
 
 def _call_reason(kwargs: dict) -> str | None:

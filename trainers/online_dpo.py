@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
 from hf_prefixflow import _compat
@@ -90,6 +91,11 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
         self._scorer = PairScorer(shape, self.prefixflow_min_prefix_tokens, self.prefixflow_min_speedup, floor,
                                   self._count_fallback, self._log_groups)
         self._compile_layers(self.model, self.ref_model)
+        if self._layerwise and self.reward_funcs is not None:  # reward models never run the pair path: compiled
+            # whole, as Accelerate's `prepare_model` compiles them for the stock trainer
+            self.reward_funcs = [torch.compile(f, backend=self.args.torch_compile_backend,
+                                               mode=self.args.torch_compile_mode)
+                                 if isinstance(f, PreTrainedModel) else f for f in self.reward_funcs]
         if self._reason is not None:
             logger.warning("PrefixFlow: every batch of this run takes the plain Online DPO path (%s).", self._reason)
 
