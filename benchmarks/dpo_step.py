@@ -53,7 +53,8 @@ import synthetic  # noqa: E402 - a local word-level tokenizer
 from step_timing import StepTimer  # noqa: E402
 
 import harness  # noqa: E402 - benchmarks/harness.py
-from trainer_step import compile_layers, profile_markdown, profiled_step, release  # noqa: E402 - benchmarks/trainer_step.py
+from trainer_step import (compile_layers, profile_markdown, profiled_step,  # noqa: E402 - benchmarks/trainer_step.py
+                         release)
 
 TRAINERS = {"stock": (DPOTrainer, DPOConfig), "prefixflow": (PrefixFlowDPOTrainer, PrefixFlowDPOConfig)}
 
@@ -160,7 +161,8 @@ def measure(prompt: int, response: int, args, environment: dict) -> dict:
         rows = [response] * 2
         row["flop_ratio"] = round(shape.full_sequence(prompt, rows) / shape.prefixflow(prompt, rows), 3)
     row.update(config=args.config, prefixflow_config=args.prefixflow_config,
-               stock_compile_layers=args.stock_compile_layers, warmup=args.warmup, timed_steps=args.steps, **environment)
+               stock_compile_layers=args.stock_compile_layers, warmup=args.warmup, timed_steps=args.steps,
+               **environment)
     return row
 
 

@@ -408,9 +408,9 @@ class PairTrainerMixin:
     _plain_path = "plain"
 
     def _build_accelerator_args(self, **kwargs) -> dict:
-        # torch_compile: each decoder layer compiled in place (`_compile_layers`) and pairs shared. Under ZeRO or FSDP
-        # every pair takes the plain path, and Accelerate compiles as it would for the stock trainer.
-        # A model without decoder layers keeps Accelerate's compile too (its pairs take the plain path there).
+        # torch_compile: each decoder layer compiled in place (`_compile_layers`) and pairs shared. Under ZeRO, FSDP or
+        # a parallelism config, and for a model without decoder layers, every pair takes the plain path and
+        # Accelerate compiles as it would for the stock trainer.
         options = super()._build_accelerator_args(**kwargs)
         self._layerwise = bool(self.args.torch_compile and not _shards(options) and decoder_layers(self.model))
         return compiling.layerwise_accelerator_args(options) if self._layerwise else options

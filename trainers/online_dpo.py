@@ -91,8 +91,9 @@ class PrefixFlowOnlineDPOTrainer(PairTrainerMixin, OnlineDPOTrainer):
         self._scorer = PairScorer(shape, self.prefixflow_min_prefix_tokens, self.prefixflow_min_speedup, floor,
                                   self._count_fallback, self._log_groups)
         self._compile_layers(self.model, self.ref_model)
-        if self._layerwise and self.reward_funcs is not None:  # reward models never run the pair path: compiled
-            # whole, as Accelerate's `prepare_model` compiles them for the stock trainer
+        # Reward models never run the pair path: compiled whole, as Accelerate's `prepare_model` does for the stock
+        # trainer.
+        if self._layerwise and self.reward_funcs is not None:
             self.reward_funcs = [torch.compile(f, backend=self.args.torch_compile_backend,
                                                mode=self.args.torch_compile_mode)
                                  if isinstance(f, PreTrainedModel) else f for f in self.reward_funcs]
