@@ -216,8 +216,9 @@ def test_dpo_criterion_passes_correct_steps_and_fails_a_broken_one(tmp_path):
     correct step passes at the first and the last check, Phase C skipped fails."""
     import dpo_criterion
 
+    # short pairs: bf16 matmuls in the backward are slow on a CPU (tenths of a second each at this width)
     good = dpo_criterion.main(["--tiny", "--cases", "full", "--broken", "phase-c-skipped", "--steps", "2",
-                               "--out", str(tmp_path)])
+                               "--prompt", "24", "--response", "8", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "dpo_criterion.json").read_text())
     assert good and [(r["variant"], r["step"], r["passed"]) for r in rows] == [
         ("control", 1, None), ("correct", 1, True), ("correct", 2, True), ("phase-c-skipped", 1, False),
